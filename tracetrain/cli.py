@@ -1,0 +1,122 @@
+"""`tracetrain serve` runs the gateway (starting vLLM if asked); `tracetrain export` dumps trajectories."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from tracetrain.config import Config, load_config
+
+log = logging.getLogger("tracetrain")
+
+
+def _model_dir(config: Config) -> Path:
+    if config.model == "smollm2":
+        from tracetrain.engines.models import smollm2_dir
+
+        return smollm2_dir()
+    return Path(config.model)
+
+
+def _vllm_available(config: Config) -> bool:
+    from tracetrain.engines.vllm_server import find_vllm_python
+
+    return config.engine_url is not None or (config.vllm_python or find_vllm_python()) is not None
+
+
+def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
+    """The engine the config asks for; `auto` falls back to in-process transformers without vLLM."""
+    kind = config.engine
+    if kind == "auto":
+        kind = "vllm" if _vllm_available(config) else "transformers"
+        if kind == "transformers":
+            log.warning("vLLM is not installed: falling back to the in-process transformers engine")
+    if kind == "transformers":
+        from tracetrain.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine(model_dir, model_name=config.served_model_name)
+    from tracetrain.engines.vllm import VLLMEngine
+    from tracetrain.engines.vllm_server import VLLMServer
+
+    url = config.engine_url
+    if url is None:
+        server = VLLMServer(
+            model_dir, port=config.vllm_port, served_model_name=config.served_model_name,
+            python=config.vllm_python, extra_args=config.vllm_args,
+        )
+        stack.enter_context(server)
+        url = server.url
+    return VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s)
+
+
+def serve(config: Config) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from tracetrain.proxy.app import build_app
+    from tracetrain.proxy.gateway import Gateway
+    from tracetrain.store.db import make_engine
+
+    config.check_access()
+    log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
+    model_dir = _model_dir(config)
+    with ExitStack() as stack:
+        engine = build_engine(config, model_dir, stack)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        gateway = Gateway(config, engine, tokenizer, make_engine(config.db_url,
+                                                                  sqlite_synchronous=config.sqlite_synchronous))
+        log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
+                 config.host, config.port, config.host, config.port)
+        uvicorn.run(build_app(gateway), host=config.host, port=config.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+
+
+def _redacted(config: Config) -> dict[str, Any]:
+    values = config.model_dump()
+    values["api_keys"] = ["***"] * len(config.api_keys)
+    values["admin_key"] = "***" if config.admin_key else None
+    return values
+
+
+def export_cmd(args: argparse.Namespace, config: Config) -> None:
+    from tracetrain.store.db import make_engine
+    from tracetrain.store.export import export
+
+    rows = export(make_engine(config.db_url), Path(args.out), args.format)
+    print(f"wrote {rows} trajectory segments to {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tracetrain")
+    parser.add_argument("--config", type=Path, help="YAML config file")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="run the gateway in front of an engine")
+    for flag, kind in (("host", str), ("port", int), ("engine", str), ("engine-url", str), ("model", str),
+                       ("served-model-name", str), ("db-url", str), ("vllm-port", int), ("admin-key", str)):
+        serve_p.add_argument(f"--{flag}", type=kind)
+    serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")
+    export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
+    export_p.add_argument("--db-url")
+    export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    export_p.add_argument("--out", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "format", "out")}
+    config = load_config(args.config, **overrides)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(config)
+    elif args.command == "export":
+        export_cmd(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

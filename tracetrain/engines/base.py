@@ -1,0 +1,66 @@
+"""The seam between the gateway and whatever generates tokens.
+
+The gateway renders chat templates itself and hands engines token ids only, so every engine sees the
+exact prompt the store records. An engine streams back sampled token ids with their logprobs; the
+text it returns is for the client, the ids are for training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """The engine failed; `status` is the HTTP status the gateway should answer with."""
+
+    def __init__(self, message: str, *, status: int = 502, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class EngineUnavailable(EngineError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503, code="engine_unavailable")
+
+
+class EngineTimeout(EngineError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=504, code="engine_timeout")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    top_logprobs: int = 0
+    """How many alternatives per position the client asked for; the sampled token's logprob is
+    always returned regardless."""
+
+
+@dataclass
+class TokenDelta:
+    """A slice of the generation. The last delta of a stream has `finish_reason` set."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    top_logprobs: list[dict[str, float]] | None = None
+    """One dict (token text -> logprob) per token in `token_ids`, when asked for."""
+    finish_reason: str | None = None
+
+
+class Engine(Protocol):
+    """Generates from token ids. `version` is the policy version whose weights are being served."""
+
+    model_name: str
+    version: int
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
+
+    async def close(self) -> None: ...

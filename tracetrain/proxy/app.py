@@ -1,0 +1,70 @@
+"""The FastAPI application: routers, error shape, body-size limit, and the writer's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tracetrain.proxy.errors import error_response, install_error_handlers
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.routes import chat, rewards, sessions, system
+
+
+class BodyLimit:
+    """Refuse bodies over `limit` bytes with 413, by Content-Length or while streaming in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"Request body exceeds {self.limit} bytes.", "body_too_large")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="tracetrain gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    for module in (chat, rewards, sessions, system):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
+    return app

@@ -1,0 +1,63 @@
+"""API keys: agent keys own the sessions they create; the admin key sees everything.
+
+With no keys configured (allowed on loopback only) every caller is an anonymous admin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from tracetrain.proxy.errors import APIError
+
+
+@dataclass(frozen=True)
+class Caller:
+    owner: str | None
+    """Fingerprint of the caller's key; None when the gateway runs without keys."""
+    admin: bool
+
+    def may_access(self, session_owner: str | None) -> bool:
+        return self.admin or session_owner == self.owner
+
+
+def fingerprint(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class KeyRing:
+    def __init__(self, api_keys: list[str], admin_key: str | None) -> None:
+        self.open = not api_keys and not admin_key
+        self._agents = {fingerprint(k) for k in api_keys}
+        self._admin = fingerprint(admin_key) if admin_key else None
+
+    def identify(self, authorization: str | None) -> Caller:
+        if self.open:
+            return Caller(owner=None, admin=True)
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
+        print_ = fingerprint(authorization[7:].strip())
+        if self._admin is not None and hmac.compare_digest(print_, self._admin):
+            return Caller(owner=print_, admin=True)
+        if print_ in self._agents:
+            return Caller(owner=print_, admin=False)
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def get_caller(request: Request) -> Caller:
+    keys: KeyRing = request.app.state.gateway.keys
+    return keys.identify(request.headers.get("authorization"))
+
+
+def get_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+    if not caller.admin:
+        raise APIError(403, "This endpoint needs the admin key.", code="admin_required")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+AdminDep = Annotated[Caller, Depends(get_admin)]

@@ -1,0 +1,106 @@
+"""The gateway's shared state: engine, renderer, store writer, chain cache, keys and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy.engine import Engine as DBEngine
+from sqlmodel import Session
+
+from tracetrain.config import Config
+from tracetrain.engines.base import Engine
+from tracetrain.proxy.auth import KeyRing
+from tracetrain.proxy.chain import ChainCache, ChainNode
+from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.metrics import GatewayMetrics
+from tracetrain.proxy.render import ChatRenderer
+from tracetrain.store import queries
+from tracetrain.store.models import Call
+from tracetrain.store.trajectory import full_ids
+from tracetrain.store.writer import StoreWriter
+
+
+class Gateway:
+    def __init__(self, config: Config, engine: Engine, tokenizer: Any, db: DBEngine) -> None:
+        self.config = config
+        self.engine = engine
+        template = config.chat_template.read_text() if config.chat_template else None
+        self.renderer = ChatRenderer(tokenizer, template=template)
+        self.db = db
+        self.writer = StoreWriter(db)
+        self.chains = ChainCache()
+        self.keys = KeyRing(config.api_keys, config.admin_key)
+        self.metrics = GatewayMetrics()
+        self.metrics.queue_depth.set_function(lambda: self.writer.queue_depth)
+        self.metrics.policy_version.set_function(lambda: self.engine.version)
+        self._owners: dict[str, tuple[str | None, str]] = {}
+        """Session id -> (owner, group), for sessions already stored: saves a read per call."""
+
+    async def start(self) -> None:
+        await self.writer.start()
+
+    async def stop(self) -> None:
+        await self.writer.stop()
+        await self.engine.close()
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this gateway serves '{self.config.served_model_name}'.",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def session_info(self, session_id: str) -> tuple[str | None, str] | None:
+        """(owner, group) of a stored session, or None if it does not exist yet."""
+        if session_id in self._owners:
+            return self._owners[session_id]
+        row = await asyncio.to_thread(self._read, lambda db: queries.get_session(db, session_id=session_id))
+        if row is None:
+            return None
+        self._owners[session_id] = (row.owner, row.group_id)
+        return self._owners[session_id]
+
+    def remember_session(self, session_id: str, owner: str | None, group: str) -> None:
+        self._owners[session_id] = (owner, group)
+
+    async def find_parent(self, session_id: str, hashes: list[str], messages: list[dict[str, Any]]) -> ChainNode | None:
+        """The latest call whose request + reply the messages start with (longest history first)."""
+        for k in range(len(messages) - 1, 0, -1):
+            if messages[k - 1]["role"] != "assistant":
+                continue
+            node = self.chains.get(session_id, hashes[k]) or await asyncio.to_thread(
+                self._load_node, session_id, hashes[k], k
+            )
+            if node is not None:
+                return node
+        return None
+
+    def _load_node(self, session_id: str, state_hash: str, message_count: int) -> ChainNode | None:
+        with Session(self.db) as db:
+            call = queries.call_by_state(db, session_id=session_id, state_hash=state_hash)
+            if call is None:
+                return None
+            by_id = {c.id: c for c in queries.session_calls(db, session_id=session_id)}
+            node = ChainNode(
+                call_id=call.id,
+                full_ids=full_ids(call, by_id),
+                message_count=message_count,
+                has_child=queries.has_chained_child(db, call_id=call.id),
+            )
+        self.chains.put(session_id, state_hash, node)
+        return node
+
+    def _read(self, fn: Any) -> Any:
+        with Session(self.db) as db:
+            return fn(db)
+
+    async def read(self, fn: Any) -> Any:
+        """Run a read-only query in a worker thread."""
+        return await asyncio.to_thread(self._read, fn)
+
+    def remember_calls(self, calls: list[Call], chains: list[list[int]], message_count: int) -> None:
+        for call, chain in zip(calls, chains, strict=True):
+            self.chains.put(call.session_id, call.state_hash, ChainNode(call.id, chain, message_count))

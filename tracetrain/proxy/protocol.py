@@ -1,0 +1,84 @@
+"""Request and response models of the OpenAI chat API, as far as the gateway reads them.
+
+Unknown fields are accepted and ignored (clients send many); known fields are type-checked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session_id: str | None = None
+    completion_id: str | None = None
+    """A `chatcmpl-…` id; the reward then targets that call (and its session)."""
+    choice_index: int = Field(default=0, ge=0)
+    """With `completion_id`: which choice of an `n>1` request the reward is for."""
+    reward: float | dict[str, float]
+    final: bool = False
+    idempotency_key: str | None = Field(default=None, max_length=256)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | dict[str, float]) -> float | dict[str, float]:
+        values = value.values() if isinstance(value, dict) else [value]
+        if isinstance(value, dict) and not value:
+            raise ValueError("reward components must not be empty")
+        if any(not math.isfinite(v) for v in values):
+            raise ValueError("reward must be a finite number (no NaN or infinity)")
+        return value
+
+
+class RewardResponse(BaseModel):
+    id: int
+    session_id: str
+    call_id: str | None
+    value: float
+    final: bool
+    duplicate: bool = False
+    """True when the idempotency key was seen before with the same payload: nothing new was stored."""

@@ -1,0 +1,138 @@
+"""Chat templates and tool calls, rendered by the gateway itself.
+
+The gateway turns messages into token ids (so the engine sees exactly what is recorded) and turns
+sampled text back into an assistant message with Hermes-style `<tool_call>{json}</tool_call>` blocks.
+Models whose own template cannot render tools (SmolLM2's) get the bundled ChatML-with-tools template,
+keeping the model's default system prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+BUNDLED_TEMPLATE = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
+TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_DEFAULT_SYSTEM_RE = re.compile(r"<\|im_start\|>system(?:\\n|\n)(.+?)<\|im_end\|>", re.DOTALL)
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+
+
+def _canonical_arguments(arguments: Any) -> str:
+    if not isinstance(arguments, str):
+        return json.dumps(arguments, ensure_ascii=False)
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that reach the model, in one spelling: what hashing and rendering use."""
+    role = {"developer": "system", "function": "tool"}.get(message["role"], message["role"])
+    out: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [
+            {
+                "name": call.get("function", call).get("name", ""),
+                "arguments": _canonical_arguments(call.get("function", call).get("arguments", "{}")),
+            }
+            for call in calls
+        ]
+    return out
+
+
+def history_hashes(tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[str]:
+    """hashes[k] identifies tools + messages[:k]; a call's state hash is that of its request plus reply."""
+    digest = hashlib.sha256(json.dumps(tools or [], sort_keys=True).encode()).hexdigest()
+    hashes = [digest]
+    for message in messages:
+        blob = digest + json.dumps(message, sort_keys=True, ensure_ascii=False)
+        digest = hashlib.sha256(blob.encode()).hexdigest()
+        hashes.append(digest)
+    return hashes
+
+
+def parse_reply(text: str, *, tools_enabled: bool) -> tuple[str, list[dict[str, Any]]]:
+    """Split sampled text into content and OpenAI-shaped tool calls. Unparseable blocks stay text."""
+    if not tools_enabled or TOOL_CALL_OPEN not in text:
+        return text, []
+    calls: list[dict[str, Any]] = []
+    for block in _TOOL_CALL_RE.findall(text):
+        try:
+            payload = json.loads(block)
+            name = payload["name"]
+            arguments = payload.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": str(name), "arguments": _canonical_arguments(arguments)},
+            }
+        )
+    if not calls:
+        return text, []
+    return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: Any, *, template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        own = getattr(tokenizer, "chat_template", None) or ""
+        self.default_system: str | None = None
+        if template is not None:
+            self.template = template
+        elif "tools" in own:
+            self.template = own
+        else:
+            self.template = BUNDLED_TEMPLATE
+            found = _DEFAULT_SYSTEM_RE.search(own)
+            self.default_system = found.group(1).replace("\\n", "\n") if found else None
+        vocab = tokenizer.get_vocab()
+        self.turn_end_id: int | None = vocab.get("<|im_end|>", tokenizer.eos_token_id)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool
+    ) -> list[int]:
+        """Token ids of canonical messages; `generation` appends the assistant turn opener."""
+        if self.default_system and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.default_system}, *messages]
+        functions = [tool.get("function", tool) for tool in tools] if tools else None
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=functions,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=generation,
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def glue(self, rendered_reply: list[int], sampled: list[int]) -> list[int]:
+        """Tokens the template puts after the sampled reply (ChatML: the newline after <|im_end|>).
+
+        `rendered_reply` is the template's rendering of history ending in the assistant turn. If the
+        model stopped without the turn-end token (length limit, stop string), the turn end is added.
+        """
+        if self.turn_end_id is None or self.turn_end_id not in rendered_reply:
+            return []
+        last_end = len(rendered_reply) - 1 - rendered_reply[::-1].index(self.turn_end_id)
+        if sampled and sampled[-1] == self.turn_end_id:
+            return rendered_reply[last_end + 1 :]
+        return rendered_reply[last_end:]
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))

@@ -1,0 +1,93 @@
+"""POST /v1/rewards: rewards are events that may arrive any time after the calls they judge."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from sqlmodel import Session
+
+from tracetrain.proxy.auth import CallerDep
+from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.protocol import RewardRequest, RewardResponse
+from tracetrain.store import queries
+from tracetrain.store.models import AgentSession, Reward, utcnow
+
+router = APIRouter()
+
+
+def combine(reward: float | dict[str, float], weights: dict[str, float]) -> float:
+    if isinstance(reward, dict):
+        return float(sum(weights.get(name, 1.0) * value for name, value in reward.items()))
+    return float(reward)
+
+
+async def _target(gw: Gateway, body: RewardRequest, path_session: str | None) -> tuple[str, str | None]:
+    """(session id, call id) the reward is for."""
+    session_id = body.session_id or path_session
+    if body.completion_id is None:
+        if session_id is None:
+            raise APIError(400, "Give a session_id or a completion_id.", code="missing_target")
+        return session_id, None
+    calls = await gw.read(lambda db: queries.calls_by_completion(db, completion_id=body.completion_id))
+    call = next((c for c in calls if c.choice_index == body.choice_index), None)
+    if call is None:
+        raise APIError(404, f"No call with completion id '{body.completion_id}' and choice "
+                       f"{body.choice_index}.", code="completion_not_found", param="completion_id")
+    if session_id is not None and session_id != call.session_id:
+        raise APIError(400, f"Completion '{body.completion_id}' belongs to session '{call.session_id}', "
+                       f"not '{session_id}'.", code="session_mismatch")
+    return call.session_id, call.id
+
+
+async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
+                      path_session: str | None = None) -> RewardResponse:
+    gw: Gateway = request.app.state.gateway
+    session_id, call_id = await _target(gw, body, path_session)
+    info = await gw.session_info(session_id)
+    if info is None:
+        raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
+    if not caller.may_access(info[0]):
+        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
+    value = combine(body.reward, gw.config.reward_weights)
+    components = body.reward if isinstance(body.reward, dict) else None
+
+    def write(db: Session) -> RewardResponse:
+        if body.idempotency_key is not None:
+            seen = queries.reward_by_key(db, session_id=session_id, idempotency_key=body.idempotency_key)
+            if seen is not None:
+                if (seen.value, seen.call_id, seen.final, seen.components) != (value, call_id, body.final,
+                                                                                components):
+                    raise APIError(409, f"Idempotency key '{body.idempotency_key}' was used with a different "
+                                   "reward.", code="idempotency_conflict", param="idempotency_key")
+                return RewardResponse(id=seen.id or 0, session_id=session_id, call_id=call_id, value=value,
+                                      final=seen.final, duplicate=True)
+        reward = Reward(session_id=session_id, call_id=call_id, value=value, components=components,
+                        final=body.final, idempotency_key=body.idempotency_key)
+        db.add(reward)
+        if body.final:
+            session = db.get(AgentSession, session_id)
+            if session is not None:
+                session.status, session.updated_at = "final", utcnow()
+                db.add(session)
+        db.flush()
+        return RewardResponse(id=reward.id or 0, session_id=session_id, call_id=call_id, value=value,
+                              final=body.final)
+
+    result: RewardResponse = await gw.writer.submit(write)
+    if not result.duplicate:
+        gw.metrics.rewards.inc()
+    return result
+
+
+@router.post("/v1/rewards", response_model=RewardResponse)
+async def rewards(request: Request, body: RewardRequest, caller: CallerDep) -> RewardResponse:
+    return await post_reward(request, body, caller)
+
+
+@router.post("/s/{session}/v1/rewards", response_model=RewardResponse)
+@router.post("/s/{session}/g/{group}/v1/rewards", response_model=RewardResponse)
+async def session_rewards(request: Request, body: RewardRequest, caller: CallerDep,
+                          session: Annotated[str, Path()]) -> RewardResponse:
+    return await post_reward(request, body, caller, path_session=session)

@@ -1,0 +1,112 @@
+"""Tables of the experience store.
+
+A session is a tree of calls. Each call is one sampled choice: the prompt tokens it added to the
+chain, the tokens the engine sampled, their logprobs and the policy version. `link` says how the
+call joins its parent: it `extend`s the latest call of the session or `branch`es off an older one
+(token-exact in both cases), or it starts a new segment and records why.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, LargeBinary, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+CHAINED_LINKS = ("extend", "branch")
+"""Links whose prompt is the parent's prompt + sampled tokens + a rendered tail, token for token."""
+
+
+class AgentSessionBase(SQLModel):
+    id: str = Field(primary_key=True, max_length=256)
+    group_id: str = Field(index=True, max_length=256)
+    status: str = Field(default="open", max_length=16)
+    """`open` until a reward marked `final` arrives."""
+
+
+class AgentSession(AgentSessionBase, table=True):
+    __tablename__ = "sessions"
+    owner: str | None = Field(default=None, index=True, max_length=64)
+    """Fingerprint of the API key that created the session; None when the gateway runs without keys."""
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class AgentSessionPublic(AgentSessionBase):
+    created_at: datetime
+    updated_at: datetime
+
+
+class CallBase(SQLModel):
+    id: str = Field(primary_key=True, max_length=128)
+    completion_id: str = Field(index=True, max_length=128)
+    choice_index: int = 0
+    session_id: str = Field(index=True, foreign_key="sessions.id", max_length=256)
+    group_id: str = Field(max_length=256)
+    seq: int = 0
+    """Order of the call within its session."""
+    parent_id: str | None = Field(default=None, max_length=128)
+    link: str = Field(max_length=32)
+    """`start`, `extend`, `branch`, or the reason a new segment began (`prefix_changed`, ...)."""
+    model: str = Field(max_length=256)
+    policy_version: int = 0
+    finish_reason: str | None = Field(default=None, max_length=32)
+    prefix_len: int = 0
+    """Tokens of the prompt taken from the parent's chain rather than stored on this row."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Call(CallBase, table=True):
+    __tablename__ = "calls"
+    owner: str | None = Field(default=None, max_length=64)
+    state_hash: str = Field(index=True, max_length=64)
+    """Hash of the tools, request messages and this reply: a later request whose history hashes the
+    same extends this call."""
+    prompt_ids: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    completion_ids: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    completion_logprobs: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    messages: list[dict[str, Any]] = Field(sa_column=Column(JSON, nullable=False))
+    response_message: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    request_params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+class CallPublic(CallBase):
+    response_message: dict[str, Any]
+
+
+class RewardBase(SQLModel):
+    session_id: str = Field(index=True, max_length=256)
+    call_id: str | None = Field(default=None, max_length=128)
+    value: float
+    components: dict[str, float] | None = Field(default=None, sa_column=Column(JSON))
+    final: bool = False
+    idempotency_key: str | None = Field(default=None, max_length=256)
+
+
+class Reward(RewardBase, table=True):
+    __tablename__ = "rewards"
+    __table_args__ = (UniqueConstraint("session_id", "idempotency_key", name="uq_reward_idempotency"),)
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class RewardPublic(RewardBase):
+    id: int
+    created_at: datetime
+
+
+class Policy(SQLModel, table=True):
+    __tablename__ = "policies"
+    version: int = Field(primary_key=True)
+    created_at: datetime = Field(default_factory=utcnow)
+    checkpoint: str | None = Field(default=None, max_length=1024)
+    """Directory of the weights; None for the base model."""

@@ -1,0 +1,61 @@
+"""Small keyword-only queries over the store; each takes an open session."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlmodel import Session, col, func, select
+
+from tracetrain.store.models import AgentSession, Call, Reward
+
+
+def get_session(db: Session, *, session_id: str) -> AgentSession | None:
+    return db.get(AgentSession, session_id)
+
+
+def list_sessions(db: Session, *, limit: int = 100, offset: int = 0) -> Sequence[AgentSession]:
+    query = select(AgentSession).order_by(col(AgentSession.created_at).desc()).offset(offset).limit(limit)
+    return db.exec(query).all()
+
+
+def session_calls(db: Session, *, session_id: str) -> Sequence[Call]:
+    query = select(Call).where(Call.session_id == session_id).order_by(col(Call.seq), col(Call.choice_index))
+    return db.exec(query).all()
+
+
+def session_rewards(db: Session, *, session_id: str) -> Sequence[Reward]:
+    query = select(Reward).where(Reward.session_id == session_id).order_by(col(Reward.id))
+    return db.exec(query).all()
+
+
+def calls_by_completion(db: Session, *, completion_id: str) -> Sequence[Call]:
+    return db.exec(select(Call).where(Call.completion_id == completion_id)).all()
+
+
+def call_by_state(db: Session, *, session_id: str, state_hash: str) -> Call | None:
+    query = select(Call).where(Call.session_id == session_id, Call.state_hash == state_hash)
+    return db.exec(query.order_by(col(Call.seq).desc())).first()
+
+
+def has_chained_child(db: Session, *, call_id: str) -> bool:
+    query = select(Call.id).where(Call.parent_id == call_id, col(Call.link).in_(["extend", "branch"]))
+    return db.exec(query.limit(1)).first() is not None
+
+
+def next_seq(db: Session, *, session_id: str) -> int:
+    current = db.exec(select(func.max(Call.seq)).where(Call.session_id == session_id)).one()
+    return 0 if current is None else int(current) + 1
+
+
+def reward_by_key(db: Session, *, session_id: str, idempotency_key: str) -> Reward | None:
+    query = select(Reward).where(Reward.session_id == session_id, Reward.idempotency_key == idempotency_key)
+    return db.exec(query).first()
+
+
+def all_session_ids(db: Session) -> Sequence[str]:
+    return db.exec(select(AgentSession.id).order_by(col(AgentSession.created_at))).all()
+
+
+def latest_call_id(db: Session, *, session_id: str) -> str | None:
+    query = select(Call.id).where(Call.session_id == session_id).order_by(col(Call.seq).desc())
+    return db.exec(query.limit(1)).first()

@@ -1,0 +1,87 @@
+"""The single writer: every insert goes through one task that commits in groups.
+
+Callers `await writer.submit(op)` and resume only once their op is committed, so the gateway never
+answers for a call it has not stored. Ops queued while a commit is in flight share the next
+transaction: one fsync for many calls. If a batch fails, its ops are retried one by one so a bad op
+(a duplicate idempotency key, say) fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+log = logging.getLogger(__name__)
+
+WriteOp = Callable[[Session], Any]
+"""Runs inside the batch's transaction; its return value is handed back to the submitter."""
+
+
+class StoreWriter:
+    def __init__(self, engine: Engine, *, max_batch: int = 512) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[Any]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.committed_ops = 0
+        self.batches = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="store-writer")
+
+    async def stop(self) -> None:
+        """Commit everything already submitted, then stop."""
+        if self._task is None:
+            return
+        await self._queue.join()
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    async def submit(self, op: WriteOp) -> Any:
+        if self._task is None:
+            raise RuntimeError("store writer is not running")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self._queue.put((op, future))
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                results = await asyncio.to_thread(self._commit, [op for op, _ in batch])
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+            except Exception:
+                log.debug("group commit of %d ops failed; retrying them one by one", len(batch))
+                for op, future in batch:
+                    try:
+                        (result,) = await asyncio.to_thread(self._commit, [op])
+                        if not future.done():
+                            future.set_result(result)
+                    except Exception as exc:
+                        if not future.done():
+                            future.set_exception(exc)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _commit(self, ops: list[WriteOp]) -> list[Any]:
+        with Session(self.engine, expire_on_commit=False) as db:
+            results = [op(db) for op in ops]
+            db.commit()
+        self.committed_ops += len(ops)
+        self.batches += 1
+        return results

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.support.servers import PostgresCluster, RunningGateway, start_gateway
+
+if TYPE_CHECKING:
+    from tracetrain.engines.transformers_engine import TransformersEngine
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer (built once, cached under ~/.cache/tracetrain)."""
+    pytest.importorskip("torch")
+    from tracetrain.engines.models import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from tracetrain.engines.models import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresCluster]:
+    if not PostgresCluster.available():
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) are not installed")
+    cluster = PostgresCluster()
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty store: a SQLite file, or a new database in the test PostgreSQL cluster."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    cluster: PostgresCluster = request.getfixturevalue("postgres")
+    return cluster.create_database(f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_path: Path) -> TransformersEngine:
+    from tracetrain.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(tiny_model_path, model_name="tiny")
+
+
+@pytest.fixture
+def gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    """A real gateway over HTTP in front of the in-process tiny model, with a SQLite store."""
+    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}")
+    yield running
+    running.stop()

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+@dataclass
+class RunningVLLM:
+    url: str
+    model_name: str
+    max_model_len: int
+
+
+VLLM_MAX_MODEL_LEN = 4096
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
+    """A real vLLM server (CPU) on SmolLM2-135M-Instruct, started once per session (about 80 s).
+
+    Set TRACETRAIN_TEST_VLLM_URL to reuse a server you already started (same model, max-model-len
+    4096) and skip the start-up while iterating.
+    """
+    from tracetrain.engines.vllm_server import VLLMServer, find_vllm_python
+
+    existing = os.environ.get("TRACETRAIN_TEST_VLLM_URL")
+    if existing:
+        models = httpx.get(f"{existing.rstrip('/')}/v1/models", timeout=10).json()["data"]
+        yield RunningVLLM(existing.rstrip("/"), models[0]["id"], models[0].get("max_model_len", 0))
+        return
+    if find_vllm_python() is None:
+        pytest.skip("vLLM is not installed: no .venv-vllm and no TRACETRAIN_VLLM_PYTHON")
+    server = VLLMServer(
+        smollm2_path,
+        served_model_name="smollm2",
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        kv_cache_gib=2,
+        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
+    )
+    with server:
+        yield RunningVLLM(server.url, server.model_name, VLLM_MAX_MODEL_LEN)

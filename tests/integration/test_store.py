@@ -1,0 +1,84 @@
+"""The store on real SQLite and PostgreSQL: group commit, failure isolation, compact token arrays."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import text
+from sqlmodel import Session, select
+
+from tracetrain.store.codec import decode_floats, decode_ids, encode_floats, encode_ids
+from tracetrain.store.db import make_engine
+from tracetrain.store.models import AgentSession, Call, Reward
+from tracetrain.store.writer import StoreWriter
+
+
+def _call(i: int, session_id: str = "s") -> Call:
+    return Call(
+        id=f"c{i}", completion_id=f"chatcmpl-{i}", session_id=session_id, group_id="g", seq=i, link="start",
+        model="m", state_hash=f"h{i}", prompt_ids=encode_ids([1, 2, i]), completion_ids=encode_ids([i, 7]),
+        completion_logprobs=encode_floats([-0.5, -1.25]), messages=[{"role": "user", "content": "x"}],
+        response_message={"role": "assistant", "content": "y"},
+    )
+
+
+async def test_group_commit_stores_every_call_and_batches(db_url: str) -> None:
+    engine = make_engine(db_url)
+    writer = StoreWriter(engine)
+    await writer.start()
+    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    await asyncio.gather(*(writer.submit(lambda db, i=i: db.add(_call(i))) for i in range(200)))
+    await writer.stop()
+    with Session(engine) as db:
+        calls = db.exec(select(Call)).all()
+    assert len(calls) == 200
+    assert writer.batches < 100, "concurrent submits should share transactions"
+    stored = next(c for c in calls if c.id == "c5")
+    assert decode_ids(stored.prompt_ids) == [1, 2, 5]
+    assert decode_floats(stored.completion_logprobs) == [-0.5, -1.25]
+
+
+async def test_a_failing_op_fails_alone(db_url: str) -> None:
+    engine = make_engine(db_url)
+    writer = StoreWriter(engine)
+    await writer.start()
+    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    await writer.submit(lambda db: db.add(Reward(session_id="s", value=1.0, idempotency_key="k")))
+    results = await asyncio.gather(
+        writer.submit(lambda db: db.add(_call(1))),
+        writer.submit(lambda db: db.add(Reward(session_id="s", value=2.0, idempotency_key="k"))),
+        writer.submit(lambda db: db.add(_call(2))),
+        return_exceptions=True,
+    )
+    await writer.stop()
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], Exception)
+    with Session(engine) as db:
+        assert {c.id for c in db.exec(select(Call)).all()} == {"c1", "c2"}
+        assert [r.value for r in db.exec(select(Reward)).all()] == [1.0]
+
+
+def test_token_arrays_are_stored_as_bytes(db_url: str) -> None:
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        db.add(AgentSession(id="s", group_id="g"))
+        db.add(_call(3))
+        db.commit()
+        raw = db.execute(text("SELECT prompt_ids FROM calls")).scalar_one()
+    assert bytes(raw) == encode_ids([1, 2, 3])
+    assert len(bytes(raw)) == 12
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(f"sqlite:///{tmp_path / 'w.db'}")
+    with engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+
+
+def test_codec_round_trip_keeps_extremes() -> None:
+    ids = [0, 1, 2**31 - 1, 151_643]
+    assert decode_ids(encode_ids(ids)) == ids
+    assert decode_ids(None) == []
+    values = decode_floats(encode_floats([-1e-8, -30.0]))
+    assert values[1] == -30.0 and values[0] == pytest.approx(-1e-8)

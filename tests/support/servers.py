@@ -1,0 +1,103 @@
+"""Real servers for tests: the gateway over HTTP in a thread, and a throwaway PostgreSQL cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from transformers import AutoTokenizer
+
+from tracetrain.config import Config
+from tracetrain.engines.base import Engine
+from tracetrain.proxy.app import build_app
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.store.db import make_engine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    gateway: Gateway
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def v1(self, session: str | None = None, group: str | None = None) -> str:
+        base = self.url
+        if session:
+            base += f"/s/{session}"
+            if group:
+                base += f"/g/{group}"
+        return base + "/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, **config: Any) -> RunningGateway:
+    """Serve a real gateway on a free loopback port from a background thread."""
+    port = free_port()
+    cfg = Config(port=port, db_url=db_url, served_model_name=engine.model_name, **config)
+    gateway = Gateway(cfg, engine, AutoTokenizer.from_pretrained(str(tokenizer_dir)), make_engine(db_url))
+    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.05)
+    return RunningGateway(f"http://127.0.0.1:{port}", gateway, server, thread)
+
+
+class PostgresCluster:
+    """initdb + pg_ctl in a temporary directory; as root the server runs as the postgres user."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tt-pg-"))
+        self.port = free_port()
+        self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("initdb") is not None and shutil.which("pg_ctl") is not None
+
+    def start(self) -> None:
+        if self._as_postgres:
+            shutil.chown(self.dir, "postgres", "postgres")
+        data = str(self.dir / "data")
+        subprocess.run([*self._as_postgres, "initdb", "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"],
+                       check=True, capture_output=True)
+        subprocess.run([*self._as_postgres, "pg_ctl", "-D", data, "-w", "-l", str(self.dir / "log"),
+                        "-o", f"-p {self.port} -k {self.dir} -c fsync=off", "start"],
+                       check=True, capture_output=True)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def stop(self) -> None:
+        subprocess.run([*self._as_postgres, "pg_ctl", "-D", str(self.dir / "data"), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,222 @@
+"""An in-process engine on Hugging Face transformers, for tests and machines without vLLM.
+
+One model, one worker thread: every request's decode loop and every weight swap run in a single-thread
+executor, so requests are served one after another in arrival order (FIFO) while the event loop stays
+free. That is the right trade on a 2-core CPU box; use vLLM for throughput.
+
+Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): `log_softmax` of the raw model
+logits, before temperature and top-p. That is the distribution the trainer recomputes, so stored
+logprobs compare directly with its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .base import EngineError, EngineUnavailable, SamplingParams, TokenDelta
+
+_Item = TokenDelta | BaseException
+
+
+class IncrementalText:
+    """Detokenizes a growing list of ids; `push` returns only new, stable text (never half a
+    UTF-8 character). Special tokens are left out of the text."""
+
+    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # the stable text so far
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        full = self._tokenizer.decode(self.ids, skip_special_tokens=True)
+        stable = full.rstrip("\ufffd")  # an incomplete byte sequence decodes to U+FFFD for now
+        if not stable.startswith(self.text):  # the tokenizer revised earlier text: never un-send it
+            return ""
+        new, self.text = stable[len(self.text) :], stable
+        return new
+
+    def flush(self) -> str:
+        """At the end of the stream, whatever is left (including genuinely invalid bytes)."""
+        full = self._tokenizer.decode(self.ids, skip_special_tokens=True)
+        new = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += new
+        return new
+
+
+class TransformersEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        model_name: str | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        threads: int | None = None,
+    ) -> None:
+        self.model_name = model_name or Path(model_dir).name
+        self.version = 0
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' decorator confuses mypy
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.max_len: int = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        # torch's intra-op threads for the worker; with torch's OpenMP backend the setting is local to
+        # that thread. On a small, busy CPU box, 1 avoids spin-waiting threads fighting for cores.
+        init = (lambda: torch.set_num_threads(threads)) if threads else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-engine", initializer=init)
+        self._closed = False
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        if self._closed:
+            raise EngineUnavailable("engine is closed")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: _Item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody is listening
+                cancel.set()
+
+        try:
+            loop.run_in_executor(self._executor, self._run, list(prompt_ids), params, emit, cancel)
+        except RuntimeError as exc:  # closed meanwhile
+            raise EngineUnavailable("engine is closed") from exc
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()  # the client went away or the stream ended: stop decoding at the next step
+
+    async def swap_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights (all or some parameters) in the worker thread, between two requests, so
+        every generation comes from exactly one version."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._swap, state_dict, version)
+
+    async def close(self) -> None:
+        self._closed = True  # queued requests fail fast, a running one stops at its next step
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    # --- worker thread ---------------------------------------------------------------------------
+
+    def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        current = self.model.state_dict()
+        bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
+        if bad:  # checked first, so a rejected swap leaves the served weights untouched
+            raise ValueError(f"unknown parameters or wrong shapes: {bad[:5]}")
+        with torch.no_grad():
+            self.model.load_state_dict(dict(state_dict), strict=False)
+        self.version = version
+
+    def _run(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[_Item], None],
+        cancel: threading.Event,
+    ) -> None:
+        try:
+            self._decode(prompt, params, emit, cancel)
+        except Exception as exc:  # every failure must reach the waiting client
+            emit(exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc!r}"))
+
+    @torch.inference_mode()
+    def _decode(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[_Item], None],
+        cancel: threading.Event,
+    ) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+            raise EngineError(
+                "prompt must be non-empty token ids below the vocabulary size",
+                status=400,
+                code="invalid_prompt",
+            )
+        if len(prompt) >= self.max_len:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens exceeds the context of {self.max_len}",
+                status=400,
+                code="context_length_exceeded",
+            )
+        max_tokens = min(params.max_tokens, self.max_len - len(prompt))
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        stops = [s for s in params.stop if s]
+        hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
+        detok = IncrementalText(self.tokenizer)
+        sent = 0  # chars of detok.text already emitted
+
+        input_ids = torch.tensor([prompt], device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        finish: str | None = "length" if max_tokens <= 0 else None
+        step = 0
+        while finish is None:
+            if cancel.is_set() or self._closed:
+                raise EngineUnavailable("engine is closed") if self._closed else EngineError("cancelled")
+            logits = out.logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token = self._sample(logits, params, generator)
+            detok.push(token)
+            step += 1
+            text = detok.text
+            if token in self.eos_ids:
+                finish = "stop"
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                finish, text = "stop", text[:cut]
+            elif finish is None and step >= max_tokens:
+                finish = "length"
+            if finish is not None and cut < 0:
+                text += detok.flush()
+            end = len(text) if finish is not None else max(sent, len(text) - hold)
+            top = [self._top(logprobs, params.top_logprobs)] if params.top_logprobs > 0 else None
+            emit(TokenDelta([token], [float(logprobs[token])], text[sent:end], top, finish))
+            sent = end
+            if finish is None:
+                next_ids = torch.tensor([[token]], device=self.device)
+                out = self.model(input_ids=next_ids, past_key_values=out.past_key_values, use_cache=True)
+        if step == 0:
+            emit(TokenDelta([], [], "", [] if params.top_logprobs > 0 else None, finish))
+
+    def _top(self, logprobs: torch.Tensor, k: int) -> dict[str, float]:
+        values, ids = torch.topk(logprobs, k)
+        top: dict[str, float] = {}
+        for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
+            top.setdefault(str(self.tokenizer.decode([token_id])), value)  # tokens with the same text: best
+        return top
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        if params.temperature <= 1e-5:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > params.top_p
+            sorted_probs[outside] = 0.0  # the most likely token always stays
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,171 @@
+"""An engine that talks to a vLLM OpenAI server over HTTP.
+
+The gateway renders prompts itself, so this engine uses vLLM's `/v1/completions` with `prompt` as a
+list of token ids: vLLM then neither re-tokenizes nor adds a BOS, and the ids the store records are
+exactly the ids the model saw. Requests always stream from vLLM (the gateway decides whether its own
+client sees a stream), with `return_token_ids: true` and `logprobs: k`. What vLLM 0.32 sends back,
+per SSE chunk, in `choices[0]`:
+
+- `token_ids`: the ids sampled since the previous chunk (the first chunk also has
+  `prompt_token_ids`, our prompt echoed back, which we check);
+- `logprobs.token_logprobs`: one float per id, the sampled token's raw logprob (`logprobs: 0` is
+  enough for it); `logprobs.top_logprobs`: per id, a dict token text -> logprob holding the sampled
+  token plus the top k (so k + 1 entries when the sampled token is not among the top k);
+- `text`: the detokenized delta. It can lag the ids (text that might begin a stop string is held
+  back) and omits stop strings, so text and ids are aligned only as wholes;
+- `finish_reason` on the last chunk, which also carries that chunk's ids. An EOS (`<|im_end|>` for
+  SmolLM2) is in `token_ids` with its logprob but not in `text` (`skip_special_tokens`); a stop
+  string's tokens are in `token_ids` too, since the model sampled them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from .base import EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
+
+
+class VLLMEngine:
+    """Generates through one vLLM server; one pooled `httpx.AsyncClient` for all requests."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        *,
+        timeout: float = 600.0,
+        skip_special_tokens: bool = True,
+        max_connections: int = 256,
+    ) -> None:
+        """`base_url` is the server root (`http://host:port`, a trailing `/v1` is accepted).
+        `timeout` bounds each network wait (connect, and the gap between streamed chunks, which
+        includes prefill), not a whole generation. `skip_special_tokens=False` is for models whose
+        tool-call markers are special tokens; SmolLM2's `<tool_call>` is plain text either way."""
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.model_name = model_name
+        self.version = 0
+        self.skip_special_tokens = skip_special_tokens
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=32),
+        )
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        body = self._request_body(prompt_ids, params)
+        final: TokenDelta | None = None
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise _http_error(response.status_code, (await response.aread()).decode(errors="replace"))
+                async for chunk in _sse_chunks(response):
+                    delta = self._parse_chunk(chunk, prompt_ids, params)
+                    if delta is None:
+                        continue
+                    if delta.finish_reason is not None:
+                        final = delta  # read on to [DONE] first, so the connection goes back to the pool
+                    elif delta.token_ids or delta.text:
+                        yield delta
+        except httpx.ConnectError as exc:
+            raise EngineUnavailable(f"vLLM at {self.base_url} is not reachable: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(f"vLLM at {self.base_url} timed out ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM at {self.base_url} failed: {type(exc).__name__}: {exc}") from exc
+        if final is None:
+            raise EngineError("vLLM ended the stream without a finish_reason")
+        yield final
+
+    async def health(self) -> bool:
+        """True when the server answers `/health` with 200; never raises."""
+        try:
+            response = await self._client.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt_ids,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "return_token_ids": True,
+            "logprobs": params.top_logprobs,  # 0 still returns the sampled token's logprob
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        if params.stop:
+            body["stop"] = params.stop
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    def _parse_chunk(
+        self, chunk: dict[str, Any], prompt_ids: list[int], params: SamplingParams
+    ) -> TokenDelta | None:
+        if "error" in chunk:
+            # An error after vLLM accepted the request arrives as a data line, labelled 400 even for
+            # server-side failures; the request itself was valid, so it is the engine's failure.
+            raise EngineError(f"vLLM failed mid-stream: {chunk['error'].get('message', chunk)}")
+        if not chunk.get("choices"):
+            return None  # a usage-only chunk
+        choice = chunk["choices"][0]
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and echoed != prompt_ids:
+            raise EngineError("vLLM generated from different prompt ids than the ones sent")
+        token_ids: list[int] = choice.get("token_ids") or []
+        logprobs = choice.get("logprobs") or {}
+        token_logprobs = logprobs.get("token_logprobs") or []
+        if len(token_logprobs) != len(token_ids) or any(lp is None for lp in token_logprobs):
+            raise EngineError(f"vLLM returned {len(token_ids)} token ids but logprobs {token_logprobs!r}")
+        top: list[dict[str, float]] | None = None
+        if params.top_logprobs > 0:
+            # vLLM adds the sampled token to the top k; keep the k most likely, as OpenAI clients expect.
+            top = [
+                dict(sorted((d or {}).items(), key=lambda kv: kv[1], reverse=True)[: params.top_logprobs])
+                for d in logprobs.get("top_logprobs") or []
+            ]
+        return TokenDelta(
+            token_ids=token_ids,
+            logprobs=[float(lp) for lp in token_logprobs],
+            text=choice.get("text") or "",
+            top_logprobs=top,
+            finish_reason=choice.get("finish_reason"),
+        )
+
+
+async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an OpenAI-style server-sent event stream, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise EngineError(f"vLLM sent an unreadable stream line: {payload[:200]!r}") from exc
+
+
+def _http_error(status: int, body: str) -> EngineError:
+    """vLLM's own message, with 400 when vLLM judged the request invalid (e.g. prompt too long)."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:1000]
+    client_error = status in (400, 413, 422)
+    return EngineError(
+        f"vLLM answered {status}: {message}",
+        status=400 if client_error else 502,
+        code="invalid_request" if client_error else "engine_error",
+    )

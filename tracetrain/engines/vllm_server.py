@@ -1,0 +1,195 @@
+"""Starts and stops a vLLM OpenAI server as a child process.
+
+vLLM lives in its own Python environment (its transformers pin conflicts with ours), so it runs as
+`<that python> -m vllm.entrypoints.openai.api_server` and we only talk HTTP to it. The server runs in
+its own process group: vLLM spawns an engine-core and a worker process, and `stop()` must take
+all of them down, not just the API server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def find_vllm_python() -> str | None:
+    """The interpreter that can `import vllm`: `TRACETRAIN_VLLM_PYTHON` if set, else the repo's
+    `.venv-vllm`, else this interpreter when vLLM happens to be installed in it (GPU machines)."""
+    explicit = os.environ.get("TRACETRAIN_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    local = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if local.exists():
+        return str(local)
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class VLLMServer:
+    """One vLLM server process. Use as a context manager, or call `start()` and `stop()`.
+
+    On CPU, `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE`: vLLM otherwise sizes the KV cache from a
+    fraction of all RAM, and an explicit size also lets it skip a warm-up pass at start. SmolLM2-135M
+    needs about 46 KB per token, so 2 GiB holds about 46k tokens.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        served_model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        python: str | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        kv_cache_gib: int = 2,
+        enforce_eager: bool = True,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout: float = 600.0,
+    ) -> None:
+        self.model = str(model)
+        self.model_name = served_model_name or Path(self.model).name
+        self.host = host
+        self.port = port or free_port(host)
+        self.python = python or find_vllm_python()
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.enforce_eager = enforce_eager
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-{self.port}.log"
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        if not self.python:
+            raise RuntimeError(
+                "vLLM is not installed: create .venv-vllm (see README) or set TRACETRAIN_VLLM_PYTHON"
+            )
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", self.model_name, "--host", self.host, "--port", str(self.port),
+               "--dtype", self.dtype]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc for in-place weight reload
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),  # ignored by GPU builds
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VLLMServer:
+        """Launches the server and blocks until `/health` answers 200 (about 80 s on a 2-core CPU)."""
+        cmd = self.command()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM on %s (log: %s): %s", self.url, self.log_path, " ".join(cmd))
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True,
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.process is not None
+        started = time.monotonic()
+        next_report = started + 10
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with code {self.process.returncode} during start-up; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    log.info("vLLM healthy on %s after %.0f s", self.url, time.monotonic() - started)
+                    return
+            except httpx.HTTPError:
+                pass
+            now = time.monotonic()
+            if now - started > self.startup_timeout:
+                raise TimeoutError(
+                    f"vLLM not healthy after {self.startup_timeout:.0f} s; last log lines:\n{self.log_tail()}"
+                )
+            if now >= next_report:
+                log.info("waiting for vLLM on %s (%.0f s): %s", self.url, now - started, self.log_tail(1))
+                next_report = now + 10
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after `grace` seconds."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        pgid = process.pid  # start_new_session made the server its group leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM did not stop within %.0f s; killing it", grace)
+        with contextlib.suppress(ProcessLookupError):  # the engine core and workers may outlive it
+            os.killpg(pgid, signal.SIGKILL)
+        process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

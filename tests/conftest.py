@@ -61,3 +61,28 @@ def gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Pa
     running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}")
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_model_path() -> Path:
+    """A tiny model trained to call the `add` tool on a scripted question (see tests/support/tool_model.py)."""
+    from tests.support.tool_model import tool_model_dir
+
+    return tool_model_dir()
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tool_model_path: Path) -> TransformersEngine:
+    from tracetrain.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(tool_model_path, model_name="tool-tiny")
+
+
+@pytest.fixture
+def tool_gateway(tool_engine: TransformersEngine, tool_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    """A real gateway in front of the tool-calling tiny model, recording what the engine sees."""
+    from tests.support.recording import RecordingEngine
+
+    running = start_gateway(RecordingEngine(tool_engine), tool_model_path, f"sqlite:///{tmp_path / 'tool.db'}")
+    yield running
+    running.stop()

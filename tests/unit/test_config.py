@@ -1,0 +1,42 @@
+"""One config object: defaults < YAML < TRACETRAIN_ environment < CLI flags; loopback-only without keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tracetrain.config import Config, load_config
+
+
+def test_precedence_yaml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tt.yaml"
+    path.write_text("port: 9000\nengine: transformers\ndb_url: sqlite:///from-yaml.db\nreward_weights: {a: 2}\n")
+    monkeypatch.setenv("TRACETRAIN_PORT", "9100")
+    monkeypatch.setenv("TRACETRAIN_API_KEYS", '["k1", "k2"]')
+    config = load_config(path, db_url="sqlite:///from-flag.db")
+    assert config.port == 9100
+    assert config.engine == "transformers"
+    assert config.db_url == "sqlite:///from-flag.db"
+    assert config.api_keys == ["k1", "k2"]
+    assert config.reward_weights == {"a": 2.0}
+
+
+def test_unknown_yaml_keys_are_errors(tmp_path: Path) -> None:
+    path = tmp_path / "tt.yaml"
+    path.write_text("prot: 9000\n")
+    with pytest.raises(ValueError, match="prot"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_loopback_runs_without_keys(host: str) -> None:
+    Config(host=host).check_access()
+
+
+def test_other_addresses_need_keys() -> None:
+    with pytest.raises(SystemExit, match="api_keys"):
+        Config(host="0.0.0.0").check_access()
+    with pytest.raises(SystemExit):
+        Config(host="0.0.0.0", api_keys=["k"]).check_access()
+    Config(host="0.0.0.0", api_keys=["k"], admin_key="a").check_access()

@@ -1,0 +1,124 @@
+"""Rendering, tool-call parsing and prompt planning with SmolLM2's real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from tracetrain.proxy.chain import ChainNode, plan_prompt
+from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes, parse_reply
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm2_path: Path) -> ChatRenderer:
+    return ChatRenderer(AutoTokenizer.from_pretrained(str(smollm2_path)))
+
+
+def test_default_system_prompt_of_the_model_is_kept(renderer: ChatRenderer) -> None:
+    text = renderer.tokenizer.decode(renderer.render([{"role": "user", "content": "hi"}], None, generation=True))
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_canonical_messages_ignore_spelling_differences() -> None:
+    sdk = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1, "b": 2}'}}]}
+    langchain = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    assert canonical_message(sdk) == canonical_message(langchain)
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert canonical_message(parts)["content"] == "ab"
+
+
+def test_history_hashes_depend_on_tools_and_order() -> None:
+    a, b = {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+    assert history_hashes(None, [a, b])[2] != history_hashes(None, [b, a])[2]
+    assert history_hashes(None, [a])[1] != history_hashes([{"name": "t"}], [a])[1]
+    assert history_hashes(None, [a, b])[1] == history_hashes(None, [a])[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', "", ["add"]),
+        ('Let me add.\n<tool_call>{"name": "add", "arguments": {}}</tool_call>\n'
+         '<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "Let me add.", ["add", "mul"]),
+        ('<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
+        ("plain answer", "plain answer", []),
+    ],
+)
+def test_parse_reply(text: str, content: str, names: list[str]) -> None:
+    parsed_content, calls = parse_reply(text, tools_enabled=True)
+    assert parsed_content == content
+    assert [c["function"]["name"] for c in calls] == names
+    for call in calls:
+        json.loads(call["function"]["arguments"])
+        assert call["id"].startswith("call_")
+
+
+def test_tool_calls_are_text_when_tools_are_off() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    assert parse_reply(text, tools_enabled=False) == (text, [])
+
+
+def _sampled(renderer: ChatRenderer, text: str, *, ended: bool) -> list[int]:
+    ids = list(renderer.tokenizer.encode(text, add_special_tokens=False))
+    return [*ids, renderer.turn_end_id] if ended else ids
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_extending_a_call_reuses_its_exact_tokens(renderer: ChatRenderer, ended: bool) -> None:
+    first = [canonical_message({"role": "user", "content": "hi"})]
+    prompt = renderer.render(first, None, generation=True)
+    sampled = _sampled(renderer, "Hello there", ended=ended)
+    parent = ChainNode("c1", prompt + sampled, message_count=2)
+    messages: list[dict[str, Any]] = [*first, {"role": "assistant", "content": "Hello there"},
+                                      {"role": "user", "content": "more"}]
+    plan = plan_prompt(renderer, messages=messages, tools=None, parent=parent, session_has_calls=True)
+    assert plan.link == "extend" and plan.prefix_len == len(prompt + sampled)
+    assert plan.prompt_ids[: plan.prefix_len] == prompt + sampled
+    # Whether or not the model emitted <|im_end|>, the chain closes the turn as the template would.
+    assert plan.prompt_ids == renderer.render(messages, None, generation=True)
+
+
+def test_sampled_tokens_win_over_retokenization(renderer: ChatRenderer) -> None:
+    """The model's own split of a word is kept even where the tokenizer would merge differently."""
+    first = [canonical_message({"role": "user", "content": "hi"})]
+    prompt = renderer.render(first, None, generation=True)
+    odd_split = [*renderer.tokenizer.encode("Hel", add_special_tokens=False),
+                 *renderer.tokenizer.encode("lo", add_special_tokens=False), renderer.turn_end_id]
+    assert renderer.tokenizer.decode(odd_split[:-1]) == "Hello"
+    parent = ChainNode("c1", prompt + odd_split, message_count=2)
+    messages = [*first, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "x"}]
+    plan = plan_prompt(renderer, messages=messages, tools=None, parent=parent, session_has_calls=True)
+    assert plan.link == "extend"
+    assert plan.prompt_ids[: len(prompt) + len(odd_split)] == prompt + odd_split
+    assert plan.prompt_ids != renderer.render(messages, None, generation=True)
+
+
+def test_a_template_that_rewrites_history_is_detected(smollm2_path: Path) -> None:
+    # Like reasoning templates that drop earlier assistant turns' content once the chat moves on.
+    template = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}"
+                "<|im_start|>assistant\n<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(smollm2_path)), template=template)
+    first = [{"role": "user", "content": "hi"}]
+    prompt = renderer.render(first, None, generation=True)
+    parent = ChainNode("c1", prompt + _sampled(renderer, "Hello", ended=True), message_count=2)
+    messages = [*first, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "x"}]
+    plan = plan_prompt(renderer, messages=messages, tools=None, parent=parent, session_has_calls=True)
+    assert plan.link == "template_mismatch" and plan.prefix_len == 0
+    assert plan.prompt_ids == renderer.render(messages, None, generation=True)
+
+
+def test_a_second_child_is_a_branch(renderer: ChatRenderer) -> None:
+    first = [{"role": "user", "content": "hi"}]
+    parent = ChainNode("c1", renderer.render(first, None, generation=True) + _sampled(renderer, "Yo", ended=True),
+                       message_count=2, has_child=True)
+    messages = [*first, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "again"}]
+    assert plan_prompt(renderer, messages=messages, tools=None, parent=parent, session_has_calls=True).link == "branch"
+    assert plan_prompt(renderer, messages=messages, tools=None, parent=None, session_has_calls=False).link == "start"

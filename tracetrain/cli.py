@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -55,6 +56,7 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
 
 
 def serve(config: Config) -> None:
+    config.check_access()  # first: refuse in a second, before importing torch or loading any model
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -62,7 +64,6 @@ def serve(config: Config) -> None:
     from tracetrain.proxy.gateway import Gateway
     from tracetrain.store.db import make_engine
 
-    config.check_access()
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
     with ExitStack() as stack:
@@ -72,8 +73,15 @@ def serve(config: Config) -> None:
                                                                   sqlite_synchronous=config.sqlite_synchronous))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
+        # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the
+        # ExitStack stop the vLLM server instead of the process dying and orphaning it.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
         uvicorn.run(build_app(gateway), host=config.host, port=config.port, log_level="warning",
                     timeout_graceful_shutdown=5)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _redacted(config: Config) -> dict[str, Any]:
@@ -95,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracetrain")
     parser.add_argument("--config", type=Path, help="YAML config file")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="gateway + vLLM + an example agent posting rewards (see tracetrain.demo)")
     serve_p = sub.add_parser("serve", help="run the gateway in front of an engine")
     for flag, kind in (("host", str), ("port", int), ("engine", str), ("engine-url", str), ("model", str),
                        ("served-model-name", str), ("db-url", str), ("vllm-port", int), ("admin-key", str)):
@@ -108,6 +117,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from tracetrain.demo import main as demo
+
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        demo(argv[1:])
+        return
     args = _parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "format", "out")}
     config = load_config(args.config, **overrides)

@@ -74,16 +74,25 @@ class PostgresCluster:
         self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 
     @staticmethod
-    def available() -> bool:
-        return shutil.which("initdb") is not None and shutil.which("pg_ctl") is not None
+    def bin(name: str) -> str | None:
+        """A PostgreSQL program from PATH, or from Debian's versioned directory (not on PATH)."""
+        found = shutil.which(name)
+        if found:
+            return found
+        candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+        return str(candidates[-1]) if candidates else None
+
+    @classmethod
+    def available(cls) -> bool:
+        return cls.bin("initdb") is not None and cls.bin("pg_ctl") is not None
 
     def start(self) -> None:
         if self._as_postgres:
             shutil.chown(self.dir, "postgres", "postgres")
         data = str(self.dir / "data")
-        subprocess.run([*self._as_postgres, "initdb", "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"],
+        subprocess.run([*self._as_postgres, str(self.bin("initdb")), "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"],
                        check=True, capture_output=True)
-        subprocess.run([*self._as_postgres, "pg_ctl", "-D", data, "-w", "-l", str(self.dir / "log"),
+        subprocess.run([*self._as_postgres, str(self.bin("pg_ctl")), "-D", data, "-w", "-l", str(self.dir / "log"),
                         "-o", f"-p {self.port} -k {self.dir} -c fsync=off", "start"],
                        check=True, capture_output=True)
 
@@ -98,6 +107,6 @@ class PostgresCluster:
         return self.url(name)
 
     def stop(self) -> None:
-        subprocess.run([*self._as_postgres, "pg_ctl", "-D", str(self.dir / "data"), "-m", "immediate", "stop"],
+        subprocess.run([*self._as_postgres, str(self.bin("pg_ctl")), "-D", str(self.dir / "data"), "-m", "immediate", "stop"],
                        capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)

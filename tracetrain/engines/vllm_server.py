@@ -9,6 +9,7 @@ all of them down, not just the API server.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import logging
 import os
@@ -41,6 +42,18 @@ def find_vllm_python() -> str | None:
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     return None
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) != 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if the process that started it dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,12 +134,15 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         """Launches the server and blocks until `/health` answers 200 (about 80 s on a 2-core CPU)."""
         cmd = self.command()
+        if not _port_free(self.host, self.port):
+            raise RuntimeError(f"port {self.port} on {self.host} is taken: another vLLM (or anything else) "
+                               "is there; pick another port or pass its URL as engine_url")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (log: %s): %s", self.url, self.log_path, " ".join(cmd))
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True,
+                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
             )
         try:
             self._wait_healthy()

@@ -8,8 +8,83 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrainConfig(BaseModel):
+    """The learning loop. Algorithm names come from verl's registries (your own registered ones too)."""
+
+    algorithm: Literal["rl", "sft", "dpo"] = "rl"
+    """`rl`: advantages + policy loss; `sft`: imitate trajectories with reward >= sft_min_reward;
+    `dpo`: best vs worst of each group."""
+    advantage: str = "grpo"
+    """verl advantage estimator: grpo, rloo, reinforce_plus_plus, remax, ... Groups of one always use
+    the running baseline."""
+    policy_loss: str = "vanilla"
+    """verl policy loss: vanilla (PPO-clip), gspo, cispo, sapo, clip_cov, ... or a registered one."""
+    loss_agg_mode: str = "token-mean"
+    """verl aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    clip_ratio: float = 0.2
+    """PPO clip range (and the default for clip_ratio_low/high)."""
+    clip_ratio_low: float | None = None
+    """Lower clip range; None uses clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None uses clip_ratio."""
+    ppo_epochs: int = 1
+    """Passes over each batch; with more than one, PPO clipping against the step's start matters."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) model; 0 skips the reference forward."""
+    kl_type: str = "low_var_kl"
+    """verl kl_penalty kind: kl (k1), abs, mse (k2), low_var_kl (k3), and '+' variants."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap against behaviour logprobs; None disables the correction."""
+    mode: Literal["sync", "async"] = "async"
+    """`sync`: generation waits while a batch trains (on-policy); `async`: it does not."""
+    max_staleness: int = 2
+    """Samples more than this many versions older than the trainer's are skipped (and counted)."""
+    batch_sessions: int = 16
+    """Finished sessions per training step."""
+    min_sessions: int = 8
+    """Fewer ready sessions than this: wait instead of stepping."""
+    micro_batch_tokens: int = 4096
+    """Padded tokens per forward/backward pass."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    lora: bool = False
+    """Train a LoRA adapter (peft) instead of all weights."""
+    lora_rank: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    gamma: float = 1.0
+    """Discount for per-call rewards back over the turns of a trajectory."""
+    baseline_momentum: float = 0.9
+    """Running-baseline EMA momentum for groups of one."""
+    sft_min_reward: float = 1.0
+    """Reward threshold for `sft`."""
+    dpo_beta: float = 0.1
+    """DPO temperature."""
+    lease_s: float = 600.0
+    """How long a claim on sessions lasts before another trainer may take them."""
+    poll_s: float = 1.0
+    """Wait between checks for ready sessions."""
+    checkpoint_dir: Path = Path("checkpoints")
+    """Where versions are written (a directory each: weights or adapter, optimizer, trainer state)."""
+    keep_checkpoints: int = 3
+    """Older checkpoint directories are deleted (their store rows stay)."""
+    max_steps: int | None = None
+    """Stop after this many steps (None: run until stopped)."""
+    publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
+    """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap."""
+    seed: int = 0
+    """Seed for the trainer's randomness."""
 
 
 class Config(BaseSettings):
@@ -55,6 +130,8 @@ class Config(BaseSettings):
     """Weights for dict-valued rewards; a component without a weight counts 1."""
     log_level: str = "INFO"
     """Logging level of the gateway."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The trainer (`serve --train` or `tracetrain train`)."""
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

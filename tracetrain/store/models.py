@@ -36,6 +36,13 @@ class AgentSession(AgentSessionBase, table=True):
     """Fingerprint of the API key that created the session; None when the gateway runs without keys."""
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
+    lease_owner: str | None = Field(default=None, max_length=64)
+    """The trainer that has claimed this session for a step, until `lease_until`."""
+    lease_until: datetime | None = None
+    trained_version: int | None = Field(default=None, index=True)
+    """The policy version whose training step consumed this session (None: not consumed yet)."""
+    skip_reason: str | None = Field(default=None, max_length=32)
+    """Why the trainer consumed it without learning from it (`stale`, `zero_variance`, ...)."""
 
 
 class AgentSessionPublic(AgentSessionBase):
@@ -110,3 +117,9 @@ class Policy(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
     checkpoint: str | None = Field(default=None, max_length=1024)
     """Directory of the weights; None for the base model."""
+    kind: str = Field(default="base", max_length=16)
+    """`base`, `full` or `lora`."""
+    published_at: datetime | None = None
+    publish_error: str | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    """Training-step figures: loss, reward mean, samples used and skipped, tokens/s, ..."""

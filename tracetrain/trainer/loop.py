@@ -1,0 +1,179 @@
+"""The learning loop: claim finished sessions, filter, step, checkpoint, publish, record.
+
+Everything that must survive a restart lives in the store (policy versions with their checkpoint
+and figures, which sessions each version consumed or skipped and why) or in the checkpoint directory
+(weights, optimizer, running baseline). A restarted trainer resumes from the latest version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.engine import Engine as DBEngine
+from sqlmodel import Session
+
+from tracetrain.config import TrainConfig
+from tracetrain.store import leases
+from tracetrain.store.models import Policy, utcnow
+from tracetrain.trainer import checkpoint
+from tracetrain.trainer.algorithms.baseline import RunningBaseline
+from tracetrain.trainer.algorithms.importance import is_stale
+from tracetrain.trainer.algorithms.verl_ops import GROUP_ESTIMATORS
+from tracetrain.trainer.data import Sample, load_samples, zero_variance_groups
+from tracetrain.trainer.step import StepInputs, dpo_step, rl_advantages, sft_step, train_step
+
+log = logging.getLogger(__name__)
+
+PublishFn = Callable[[int, Path, str], None]
+"""(version, checkpoint dir, kind 'full'|'lora') -> None; raises if the engine could not take it."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, db: DBEngine, base_dir: Path, *, publish: PublishFn | None = None,
+                 gate: Callable[[bool], None] | None = None) -> None:
+        self.cfg = cfg
+        self.db = db
+        self.base_dir = base_dir
+        self.publish = publish
+        self.gate = gate
+        """Called with True while a step trains and False after: `sync` mode pauses generation with it."""
+        self.trainer_id = f"trainer-{uuid.uuid4().hex[:8]}"
+        self.counts = {"steps": 0, "samples": 0, "stale": 0, "zero_variance": 0, "publish_failures": 0}
+        torch.manual_seed(cfg.seed)
+        with Session(db) as s:
+            latest = leases.latest_policy(s)
+        self.version = latest.version if latest else 0
+        resume = Path(latest.checkpoint) if latest and latest.checkpoint else None
+        self.model = checkpoint.build_model(base_dir, cfg, resume)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           weight_decay=cfg.weight_decay)
+        self.baseline = RunningBaseline(cfg.baseline_momentum)
+        if resume is not None:
+            state = checkpoint.load_state(resume)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.baseline = RunningBaseline.from_state(state["baseline"])
+            self.counts.update(state.get("counts", {}))
+            log.info("resumed from version %d (%s)", self.version, resume)
+        self.reference = self._reference() if cfg.kl_coef > 0 or cfg.algorithm == "dpo" else None
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+
+    def _reference(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(str(self.base_dir), dtype=torch.float32)
+        return reference.eval().requires_grad_(False)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step whenever enough sessions are ready, until `stop` is set or max_steps is reached."""
+        log.info("trainer %s at version %d: %s/%s, mode %s, max staleness %d", self.trainer_id, self.version,
+                 self.cfg.advantage, self.cfg.policy_loss, self.cfg.mode, self.cfg.max_staleness)
+        while not stop.is_set():
+            if self.cfg.max_steps is not None and self.counts["steps"] >= self.cfg.max_steps:
+                return
+            if not self.step_once():
+                stop.wait(self.cfg.poll_s)
+
+    def step_once(self) -> bool:
+        """One claim → step → publish round; False when too few sessions were ready."""
+        with Session(self.db) as s:
+            if leases.ready_count(s) < self.cfg.min_sessions:
+                return False
+            claimed = leases.claim_sessions(s, trainer_id=self.trainer_id, limit=self.cfg.batch_sessions,
+                                            lease_s=self.cfg.lease_s)
+            samples = load_samples(s, claimed, gamma=self.cfg.gamma)
+        samples = self._drop(samples, "stale", lambda xs: {x.session_id for x in xs
+                                                           if is_stale(x.oldest_version, self.version,
+                                                                       self.cfg.max_staleness)})
+        if self.cfg.algorithm == "rl" and self.cfg.advantage in GROUP_ESTIMATORS:
+            samples = self._drop(samples, "zero_variance", lambda xs: {
+                x.session_id for x in xs if x.group_id in zero_variance_groups(xs)})
+        if not samples:
+            self._consume(claimed, self.version)
+            return True
+        if self.gate:
+            self.gate(True)
+        try:
+            figures = self._train(samples)
+            self.version += 1
+            path = self._checkpoint()
+            self._record(path, figures, samples)
+            self._publish(path)
+        finally:
+            if self.gate:
+                self.gate(False)
+        self._consume(claimed, self.version)
+        return True
+
+    def _drop(self, samples: list[Sample], reason: str, pick: Callable[[list[Sample]], set[str]]) -> list[Sample]:
+        dropped = pick(samples)
+        if dropped:
+            self.counts[reason] += len(dropped)
+            with Session(self.db) as s:
+                leases.consume_sessions(s, trainer_id=self.trainer_id, session_ids=sorted(dropped),
+                                        version=self.version, skip_reason=reason)
+            log.info("skipped %d sessions: %s", len(dropped), reason)
+        return [x for x in samples if x.session_id not in dropped]
+
+    def _train(self, samples: list[Sample]) -> dict[str, Any]:
+        if self.cfg.algorithm == "sft":
+            figures = sft_step(self.model, self.optimizer, samples, self.cfg, self.pad_id)
+        elif self.cfg.algorithm == "dpo":
+            figures = dpo_step(self.model, self.reference, self.optimizer, samples, self.cfg, self.pad_id)
+        else:
+            advantages = rl_advantages(samples, self.cfg, self.baseline)
+            figures = train_step(self.model, self.optimizer, StepInputs(samples, advantages), self.cfg,
+                                 self.pad_id, self.reference)
+        rewards = [x.reward for x in samples]
+        self.counts["steps"] += 1
+        self.counts["samples"] += len(samples)
+        return {**figures, "reward_mean": sum(rewards) / len(rewards), "samples": len(samples),
+                "behaviour_versions": sorted({x.oldest_version for x in samples}), **self.counts}
+
+    def _checkpoint(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "baseline": self.baseline.state_dict(),
+                 "counts": dict(self.counts), "version": self.version}
+        return checkpoint.save(self.cfg.checkpoint_dir, self.version, self.model, self.base_dir, state,
+                               self.cfg.keep_checkpoints)
+
+    @property
+    def kind(self) -> str:
+        return "lora" if self.cfg.lora else "full"
+
+    def _record(self, path: Path, figures: dict[str, Any], samples: list[Sample]) -> None:
+        with Session(self.db) as s:
+            s.add(Policy(version=self.version, checkpoint=str(path.resolve()), kind=self.kind, metrics=figures))
+            s.commit()
+        log.info("version %d: reward %.3f over %d samples, loss %.4f, %.0f tokens/s, skipped stale %d, "
+                 "zero-variance %d", self.version, figures["reward_mean"], len(samples), figures.get("loss", 0.0),
+                 figures.get("tokens_per_second", 0.0), self.counts["stale"], self.counts["zero_variance"])
+
+    def _publish(self, path: Path) -> None:
+        if self.publish is None:
+            return
+        started = time.perf_counter()
+        error = None
+        try:
+            self.publish(self.version, path, self.kind)
+        except Exception as exc:  # the engine keeps serving the old version; say so and go on
+            error = f"{type(exc).__name__}: {exc}"
+            self.counts["publish_failures"] += 1
+            log.error("publishing version %d failed, the engine keeps the previous one: %s", self.version, error)
+        with Session(self.db) as s:
+            policy = s.get(Policy, self.version)
+            if policy is not None:
+                policy.published_at = None if error else utcnow()
+                policy.publish_error = error
+                policy.metrics = {**policy.metrics, "publish_seconds": time.perf_counter() - started}
+                s.add(policy)
+                s.commit()
+
+    def _consume(self, session_ids: list[str], version: int) -> None:
+        with Session(self.db) as s:
+            leases.consume_sessions(s, trainer_id=self.trainer_id, session_ids=session_ids, version=version)

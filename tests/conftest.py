@@ -58,7 +58,9 @@ def tiny_engine(tiny_model_path: Path) -> TransformersEngine:
 @pytest.fixture
 def gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     """A real gateway over HTTP in front of the in-process tiny model, with a SQLite store."""
-    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}")
+    from tests.support.recording import RecordingEngine
+
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}")
     yield running
     running.stop()
 

@@ -59,7 +59,9 @@ class Engine(Protocol):
     """Generates from token ids. `version` is the policy version whose weights are being served."""
 
     model_name: str
-    version: int
+
+    @property
+    def version(self) -> int: ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
 

@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tracetrain.proxy.errors import error_response, install_error_handlers
+from tracetrain.proxy.errors import BodyTooLarge, error_response, install_error_handlers
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.proxy.routes import chat, rewards, sessions, system
+from tracetrain.proxy.routes import chat, policies, rewards, sessions, system
 
 
 class BodyLimit:
@@ -35,21 +35,14 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge
+                raise BodyTooLarge(self.limit)  # answered with 413 by the app's exception handler
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        await self.app(scope, counted, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"Request body exceeds {self.limit} bytes.", "body_too_large")
-        await response(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+        too_large = BodyTooLarge(self.limit)
+        await error_response(413, too_large.detail, too_large.code)(scope, receive, send)
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -64,7 +57,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="tracetrain gateway", lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (chat, rewards, sessions, system):
+    for module in (chat, rewards, sessions, system, policies):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
     return app

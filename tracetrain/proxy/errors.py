@@ -31,6 +31,16 @@ class APIError(Exception):
         self.param = param
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """A body that grew past the limit while streaming in (chunked, no Content-Length). An HTTPException,
+    because FastAPI turns any other exception raised while it reads the body into a 400."""
+
+    code = "body_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body exceeds {limit} bytes.")
+
+
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
@@ -67,6 +77,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
         return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return error_response(413, exc.detail, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

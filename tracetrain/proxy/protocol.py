@@ -34,8 +34,8 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=131072)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=131072)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = None

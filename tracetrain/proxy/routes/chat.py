@@ -117,6 +117,8 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
 
 
 async def _generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
+    await gw.generation_open.wait()
+    turn.version = gw.engine.version
     params = turn.params
     if params.seed is not None and choice.index:
         params = SamplingParams(**{**params.__dict__, "seed": params.seed + choice.index})
@@ -317,6 +319,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
                     policy_version=turn.version)
     if turn.request.stream_options and turn.request.stream_options.include_usage:
         yield chunk([], usage=_usage(turn))
+    gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
     yield b"data: [DONE]\n\n"
 
 

@@ -37,7 +37,8 @@ def _assert_one_exact_segment(gw: RunningGateway, session: str, turns: int) -> d
     each prompt extending the previous prompt + sample, with the loss mask exactly on sampled ids."""
     generations = _engine(gw).generations[-turns:]
     for before, after in zip(generations, generations[1:], strict=False):
-        assert after.prompt_ids[: len(before.prompt_ids) + len(before.token_ids)] == before.prompt_ids + before.token_ids
+        chain = before.prompt_ids + before.token_ids
+        assert after.prompt_ids[: len(chain)] == chain
     (trajectory,) = _trajectories(gw, session)
     (segment,) = trajectory["segments"]
     last = generations[-1]

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,15 @@ class RunningGateway:
         self.thread.join(timeout=30)
 
 
-def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, **config: Any) -> RunningGateway:
-    """Serve a real gateway on a free loopback port from a background thread."""
+def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *,
+                  prepare: Callable[[Gateway], None] | None = None, **config: Any) -> RunningGateway:
+    """Serve a real gateway on a free loopback port from a background thread. `prepare` may attach a
+    publisher or background services (the trainer) before it starts."""
     port = free_port()
     cfg = Config(port=port, db_url=db_url, served_model_name=engine.model_name, **config)
     gateway = Gateway(cfg, engine, AutoTokenizer.from_pretrained(str(tokenizer_dir)), make_engine(db_url))
+    if prepare is not None:
+        prepare(gateway)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -90,8 +95,8 @@ class PostgresCluster:
         if self._as_postgres:
             shutil.chown(self.dir, "postgres", "postgres")
         data = str(self.dir / "data")
-        subprocess.run([*self._as_postgres, str(self.bin("initdb")), "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"],
-                       check=True, capture_output=True)
+        initdb = [str(self.bin("initdb")), "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"]
+        subprocess.run([*self._as_postgres, *initdb], check=True, capture_output=True)
         subprocess.run([*self._as_postgres, str(self.bin("pg_ctl")), "-D", data, "-w", "-l", str(self.dir / "log"),
                         "-o", f"-p {self.port} -k {self.dir} -c fsync=off", "start"],
                        check=True, capture_output=True)
@@ -107,6 +112,6 @@ class PostgresCluster:
         return self.url(name)
 
     def stop(self) -> None:
-        subprocess.run([*self._as_postgres, str(self.bin("pg_ctl")), "-D", str(self.dir / "data"), "-m", "immediate", "stop"],
-                       capture_output=True)
+        stop = [str(self.bin("pg_ctl")), "-D", str(self.dir / "data"), "-m", "immediate", "stop"]
+        subprocess.run([*self._as_postgres, *stop], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)

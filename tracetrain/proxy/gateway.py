@@ -19,6 +19,7 @@ from tracetrain.store import queries
 from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
+from tracetrain.trainer.publish import Checkpoint, Publisher
 
 
 class Gateway:
@@ -36,13 +37,36 @@ class Gateway:
         self.metrics.policy_version.set_function(lambda: self.engine.version)
         self._owners: dict[str, tuple[str | None, str]] = {}
         """Session id -> (owner, group), for sessions already stored: saves a read per call."""
+        self.publisher: Publisher | None = None
+        """Puts new weights into the engine; set when training is on (see cli.py)."""
+        self.generation_open = asyncio.Event()
+        """Cleared while a `sync`-mode training step runs: new generations wait for the new policy."""
+        self.generation_open.set()
+        self._publish_lock = asyncio.Lock()
+        self.services: list[Any] = []
+        """Background services started and stopped with the gateway (the trainer thread)."""
 
     async def start(self) -> None:
         await self.writer.start()
+        for service in self.services:
+            service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
+        for service in reversed(self.services):
+            await asyncio.to_thread(service.stop)
         await self.writer.stop()
         await self.engine.close()
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        """Hand a checkpoint to the engine; on failure the engine keeps serving the old version."""
+        if self.publisher is None:
+            raise APIError(409, "This gateway has no publisher configured (start it with --train or set "
+                           "train.publish).", code="no_publisher")
+        async with self._publish_lock:
+            if checkpoint.version <= self.engine.version:
+                raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
+                               f"{self.engine.version}.", code="stale_version")
+            await self.publisher.publish(checkpoint)
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:

@@ -37,14 +37,14 @@ def claim_sessions(db: Session, *, trainer_id: str, limit: int, lease_s: float) 
     )
     db.commit()
     # Another trainer may have won some of them between the select and the update.
-    mine = select(AgentSession.id).where(col(AgentSession.id).in_(ids), AgentSession.lease_owner == trainer_id,
-                                         AgentSession.lease_until == until)
+    mine = select(AgentSession.id).where(col(AgentSession.id).in_(ids), col(AgentSession.lease_owner) == trainer_id,
+                                         col(AgentSession.lease_until) == until)
     return list(db.exec(mine).all())
 
 
 def release_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]) -> None:
     db.execute(update(AgentSession)
-               .where(col(AgentSession.id).in_(session_ids), AgentSession.lease_owner == trainer_id)
+               .where(col(AgentSession.id).in_(session_ids), col(AgentSession.lease_owner) == trainer_id)
                .values(lease_owner=None, lease_until=None))
     db.commit()
 
@@ -55,7 +55,7 @@ def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
     if not session_ids:
         return
     db.execute(update(AgentSession)
-               .where(col(AgentSession.id).in_(session_ids), AgentSession.lease_owner == trainer_id)
+               .where(col(AgentSession.id).in_(session_ids), col(AgentSession.lease_owner) == trainer_id)
                .values(trained_version=version, skip_reason=skip_reason, lease_owner=None, lease_until=None))
     db.commit()
 

@@ -87,7 +87,7 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, inputs: StepInputs,
                 loss = loss - cfg.entropy_coef * entropy
                 totals["entropy"] += float(entropy) / cfg.ppo_epochs
             (loss / cfg.ppo_epochs).backward()
-            totals["loss"] += float(loss) / cfg.ppo_epochs
+            totals["loss"] += float(loss.detach()) / cfg.ppo_epochs
             if weights is not None:
                 totals["is_weight"] += float((weights * mb.mask).sum()) / max(num_tokens, 1) / cfg.ppo_epochs
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -65,7 +65,8 @@ def actor_config(loss: str, *, clip_ratio: float, clip_ratio_low: float | None, 
     """The slice of verl's actor config its policy losses read; `global_batch_info` makes each
     micro-batch's loss a share of the whole batch's mean, so micro-batch gradients simply add up."""
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
-                       clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                       clip_ratio=clip_ratio, clip_ratio_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
+                       clip_ratio_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
                        loss_agg_mode=loss_agg_mode, policy_loss=PolicyLossConfig(loss_mode=loss),
                        global_batch_info={"batch_num_tokens": batch_num_tokens,
                                           "global_batch_size": global_batch_size}, **extra)
@@ -83,7 +84,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, config: ActorConfig) -> 
 
 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    return core_algos.kl_penalty(logprobs, ref_logprobs, kind)  # type: ignore[no-any-return]
+    return core_algos.kl_penalty(logprobs, ref_logprobs, kind)  # type: ignore[arg-type]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

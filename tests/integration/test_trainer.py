@@ -1,0 +1,113 @@
+"""The trainer against a real store: leases, staleness and zero-variance accounting, resume."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from sqlmodel import Session, select
+
+from tracetrain.config import TrainConfig
+from tracetrain.store import leases
+from tracetrain.store.codec import encode_floats, encode_ids
+from tracetrain.store.db import make_engine
+from tracetrain.store.models import AgentSession, Call, Policy, Reward
+from tracetrain.trainer.loop import Trainer
+
+
+def _add_session(db: Session, sid: str, group: str, reward: float, version: int = 0) -> None:
+    db.add(AgentSession(id=sid, group_id=group, status="final"))
+    db.add(Call(id=f"{sid}-c", completion_id=f"chatcmpl-{sid}", session_id=sid, group_id=group, link="start",
+                model="tiny", policy_version=version, state_hash=sid, prompt_ids=encode_ids([1, 4093, 198, 6004, 2]),
+                completion_ids=encode_ids([28, 29, 2]), completion_logprobs=encode_floats([-10.8, -10.8, -10.8]),
+                messages=[], response_message={}))
+    db.add(Reward(session_id=sid, value=reward, final=True))
+
+
+def test_two_trainers_never_claim_the_same_session(db_url: str) -> None:
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        for i in range(40):
+            _add_session(db, f"s{i}", "g", 1.0)
+        db.commit()
+    claimed: dict[str, list[str]] = {"a": [], "b": []}
+
+    def claim(name: str) -> None:
+        with Session(engine) as db:
+            while batch := leases.claim_sessions(db, trainer_id=name, limit=3, lease_s=60):
+                claimed[name] += batch
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in claimed]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not set(claimed["a"]) & set(claimed["b"])
+    assert sorted(claimed["a"] + claimed["b"], key=lambda s: int(s[1:])) == [f"s{i}" for i in range(40)]
+
+
+def test_an_expired_lease_goes_to_the_next_trainer(db_url: str) -> None:
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        _add_session(db, "s1", "g", 1.0)
+        db.commit()
+        assert leases.claim_sessions(db, trainer_id="crashed", limit=5, lease_s=-1) == ["s1"]
+        assert leases.claim_sessions(db, trainer_id="next", limit=5, lease_s=60) == ["s1"]
+        assert leases.claim_sessions(db, trainer_id="third", limit=5, lease_s=60) == []
+
+
+def _trainer(tiny_model_path: Path, tmp_path: Path, db_url: str, **overrides: object) -> Trainer:
+    cfg = TrainConfig(**{"lr": 1e-3, "batch_sessions": 8, "min_sessions": 1, "checkpoint_dir": tmp_path / "ckpt",
+                         "max_staleness": 1, **overrides})  # type: ignore[arg-type]
+    return Trainer(cfg, make_engine(db_url), tiny_model_path)
+
+
+def test_stale_and_zero_variance_sessions_are_skipped_and_counted(tiny_model_path: Path, tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        db.add(Policy(version=3, checkpoint=None, kind="base"))  # the trainer starts at version 3
+        _add_session(db, "old", "g-old", 1.0, version=1)  # 2 versions behind: stale
+        _add_session(db, "flat-1", "g-flat", 1.0, version=3)
+        _add_session(db, "flat-2", "g-flat", 1.0, version=3)  # same reward in its group: zero variance
+        _add_session(db, "good-1", "g-good", 1.0, version=3)
+        _add_session(db, "good-2", "g-good", 0.0, version=2)
+        db.commit()
+    trainer = _trainer(tiny_model_path, tmp_path, db_url)
+    assert trainer.version == 3
+    assert trainer.step_once()
+    assert trainer.version == 4
+    assert trainer.counts["stale"] == 1 and trainer.counts["zero_variance"] == 2 and trainer.counts["samples"] == 2
+    with Session(engine) as db:
+        rows = {s.id: (s.trained_version, s.skip_reason) for s in db.exec(select(AgentSession)).all()}
+        policy = db.get(Policy, 4)
+    assert rows == {"old": (3, "stale"), "flat-1": (3, "zero_variance"), "flat-2": (3, "zero_variance"),
+                    "good-1": (4, None), "good-2": (4, None)}
+    assert policy is not None and policy.metrics["samples"] == 2 and policy.metrics["stale"] == 1
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_path: Path, lora: bool) -> None:
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        for i in range(4):
+            _add_session(db, f"a{i}", f"g{i // 2}", float(i % 2))
+        db.commit()
+    first = _trainer(tiny_model_path, tmp_path, db_url, lora=lora, lora_rank=8)
+    assert first.step_once() and first.version == 1
+    written = sorted(p.name for p in (tmp_path / "ckpt" / "v000001").iterdir())
+    assert ("adapter_model.safetensors" in written) == lora and ("model.safetensors" in written) != lora
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    again = _trainer(tiny_model_path, tmp_path, db_url, lora=lora, lora_rank=8)
+    assert again.version == 1 and again.counts["steps"] == 1
+    assert all(torch.equal(v, again.model.state_dict()[k]) for k, v in weights.items())
+    assert again.optimizer.state, "optimizer moments come back too"
+    with Session(engine) as db:
+        for i in range(4):
+            _add_session(db, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
+        db.commit()
+    assert again.step_once() and again.version == 2

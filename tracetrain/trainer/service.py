@@ -1,0 +1,83 @@
+"""Running the trainer next to the gateway (`serve --train`) or as its own process (`tracetrain train`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from tracetrain.config import TrainConfig
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine as DBEngine
+
+    from tracetrain.proxy.gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class TrainerThread:
+    """The trainer in a thread of the gateway process: it publishes through the gateway's own
+    publisher on the gateway's event loop, and in `sync` mode closes generation while it steps."""
+
+    def __init__(self, gateway: Gateway, cfg: TrainConfig, base_dir: Path) -> None:
+        self.gateway = gateway
+        self.cfg = cfg
+        self.base_dir = base_dir
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.thread = threading.Thread(target=self._run, args=(loop,), name="tracetrain-trainer", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=120)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        from tracetrain.trainer.loop import Trainer
+        from tracetrain.trainer.publish import Checkpoint
+
+        def publish(version: int, path: Path, kind: str) -> None:
+            checkpoint = Checkpoint(version, path, kind)  # type: ignore[arg-type]
+            asyncio.run_coroutine_threadsafe(self.gateway.publish(checkpoint), loop).result(timeout=600)
+
+        def gate(training: bool) -> None:
+            event = self.gateway.generation_open
+            loop.call_soon_threadsafe(event.clear if training else event.set)
+
+        try:
+            trainer = Trainer(self.cfg, self.gateway.db, self.base_dir, publish=publish,
+                              gate=gate if self.cfg.mode == "sync" else None)
+            trainer.run(self.stop_event)
+        except BaseException as exc:
+            self.error = exc
+            log.exception("the trainer stopped with an error; the gateway keeps serving")
+            raise
+
+
+def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: str | None,
+                   admin_key: str | None) -> None:
+    """`tracetrain train`: the trainer as its own process, handing checkpoints to the gateway over HTTP."""
+    from tracetrain.trainer.loop import Trainer
+
+    def publish(version: int, path: Path, kind: str) -> None:
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        response = httpx.post(f"{gateway_url}/v1/policies", headers=headers, timeout=600,
+                              json={"version": version, "checkpoint": str(path.resolve()), "kind": kind})
+        if response.status_code != 200:
+            raise RuntimeError(f"gateway answered {response.status_code}: {response.text[:500]}")
+
+    stop = threading.Event()
+    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None)
+    try:
+        trainer.run(stop)
+    except KeyboardInterrupt:
+        log.info("trainer stopped at version %d", trainer.version)

@@ -46,7 +46,7 @@ def load_samples(db: Session, session_ids: list[str], *, gamma: float = 1.0) -> 
         calls = queries.session_calls(db, session_id=session_id)
         rewards = queries.session_rewards(db, session_id=session_id)
         outcome = sum(r.value for r in rewards if r.call_id is None)
-        per_call = {}
+        per_call: dict[str, float] = {}
         for reward in rewards:
             if reward.call_id is not None:
                 per_call[reward.call_id] = per_call.get(reward.call_id, 0.0) + reward.value

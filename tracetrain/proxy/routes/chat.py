@@ -25,8 +25,8 @@ from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import ChatCompletionRequest
 from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_reply
-from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store import queries
+from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call, utcnow
 
 router = APIRouter()

@@ -48,14 +48,30 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     if url is None:
         server = VLLMServer(
             model_dir, port=config.vllm_port, served_model_name=config.served_model_name,
-            python=config.vllm_python, extra_args=config.vllm_args,
+            python=config.vllm_python, extra_args=config.vllm_args, enable_lora=config.train.lora,
+            max_lora_rank=config.train.lora_rank,
         )
         stack.enter_context(server)
         url = server.url
     return VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s)
 
 
-def serve(config: Config) -> None:
+def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
+    """How trained weights reach this engine: in-process swap, vLLM LoRA load, or vLLM reload."""
+    from tracetrain.engines.transformers_engine import TransformersEngine
+    from tracetrain.trainer.publish import InProcessPublisher, VLLMLoRAPublisher, VLLMReloadPublisher
+
+    mode = config.train.publish
+    if mode == "none":
+        return None
+    if isinstance(engine, TransformersEngine):
+        return InProcessPublisher(engine)
+    if mode == "auto":
+        mode = "lora" if config.train.lora else "reload"
+    return VLLMLoRAPublisher(engine) if mode == "lora" else VLLMReloadPublisher(engine, model_dir)
+
+
+def serve(config: Config, *, train: bool = False) -> None:
     config.check_access()  # first: refuse in a second, before importing torch or loading any model
     import uvicorn
     from transformers import AutoTokenizer
@@ -71,6 +87,11 @@ def serve(config: Config) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         gateway = Gateway(config, engine, tokenizer, make_engine(config.db_url,
                                                                   sqlite_synchronous=config.sqlite_synchronous))
+        gateway.publisher = build_publisher(config, engine, model_dir)
+        if train:
+            from tracetrain.trainer.service import TrainerThread
+
+            gateway.services.append(TrainerThread(gateway, config.train, model_dir))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
         # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the
@@ -91,6 +112,15 @@ def _redacted(config: Config) -> dict[str, Any]:
     return values
 
 
+def train_cmd(args: argparse.Namespace, config: Config) -> None:
+    from tracetrain.store.db import make_engine
+    from tracetrain.trainer.service import run_standalone
+
+    log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
+    run_standalone(config.train, make_engine(config.db_url), _model_dir(config), args.gateway_url,
+                   config.admin_key)
+
+
 def export_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store.db import make_engine
     from tracetrain.store.export import export
@@ -109,6 +139,15 @@ def _parser() -> argparse.ArgumentParser:
                        ("served-model-name", str), ("db-url", str), ("vllm-port", int), ("admin-key", str)):
         serve_p.add_argument(f"--{flag}", type=kind)
     serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")
+    serve_p.add_argument("--train", action="store_true", help="run the trainer in the gateway process")
+    train_p = sub.add_parser("train", help="run the trainer as its own process against the same store")
+    train_p.add_argument("--db-url")
+    train_p.add_argument("--model")
+    train_p.add_argument("--admin-key")
+    train_p.add_argument("--gateway-url", help="gateway that publishes each new version (admin key needed)")
+    for p in (serve_p, train_p):
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="any config field, dotted for nested ones: --set train.lr=1e-4 (repeatable)")
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
     export_p.add_argument("--db-url")
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
@@ -125,13 +164,33 @@ def main(argv: list[str] | None = None) -> None:
         demo(argv[1:])
         return
     args = _parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "format", "out")}
-    config = load_config(args.config, **overrides)
+    skip = ("config", "command", "format", "out", "train", "gateway_url", "set")
+    overrides = {k: v for k, v in vars(args).items() if k not in skip}
+    config = load_config(args.config, **_nested(getattr(args, "set", [])), **overrides)
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        serve(config)
+        serve(config, train=args.train)
+    elif args.command == "train":
+        train_cmd(args, config)
     elif args.command == "export":
         export_cmd(args, config)
+
+
+def _nested(assignments: list[str]) -> dict[str, Any]:
+    """['train.lr=1e-4', 'port=9000'] -> {'train': {'lr': 0.0001}, 'port': 9000} (values parsed as YAML)."""
+    import yaml
+
+    result: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep:
+            raise SystemExit(f"--set needs KEY=VALUE, got {assignment!r}")
+        *parents, leaf = key.split(".")
+        node = result
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = yaml.safe_load(raw)
+    return result
 
 
 if __name__ == "__main__":

@@ -156,5 +156,15 @@ def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:
     if yaml_path is not None:
         file_values = yaml.safe_load(yaml_path.read_text()) or {}
     env_values = Config().model_dump(exclude_unset=True)
-    merged = {**file_values, **env_values, **{k: v for k, v in overrides.items() if v is not None}}
+    merged = _deep_merge(_deep_merge(file_values, env_values), {k: v for k, v in overrides.items() if v is not None})
     return Config(**merged)
+
+
+def _deep_merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(low)
+    for key, value in high.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -40,3 +40,14 @@ def test_other_addresses_need_keys() -> None:
     with pytest.raises(SystemExit):
         Config(host="0.0.0.0", api_keys=["k"]).check_access()
     Config(host="0.0.0.0", api_keys=["k"], admin_key="a").check_access()
+
+
+def test_nested_train_settings_merge_across_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracetrain.cli import _nested
+
+    path = tmp_path / "tt.yaml"
+    path.write_text("train:\n  advantage: rloo\n  lr: 0.001\n")
+    monkeypatch.setenv("TRACETRAIN_TRAIN__MAX_STALENESS", "5")
+    config = load_config(path, **_nested(["train.lr=1e-4", "train.lora=true"]))
+    assert (config.train.advantage, config.train.lr, config.train.lora, config.train.max_staleness) == \
+        ("rloo", 1e-4, True, 5)

@@ -62,19 +62,21 @@ def plan_prompt(
     parent: ChainNode | None,
     session_has_calls: bool,
 ) -> PromptPlan:
-    """Build the engine prompt for canonical `messages`, extending `parent` when the template allows."""
-    full = renderer.render(messages, tools, generation=True)
-    if parent is None:
-        return PromptPlan(full, 0, None, "prefix_changed" if session_has_calls else "start")
+    """Build the engine prompt for canonical `messages`, extending `parent` when the template allows.
 
-    history = messages[: parent.message_count]
-    with_reply = renderer.render(history, tools, generation=False)
-    if full[: len(with_reply)] != with_reply:
+    Only the new part is tokenized: the history's tokens are the parent's, token for token, and the
+    tail starts at a special token (ChatML's <|im_start|>), so tokenizing it alone cannot merge across
+    the boundary. That also keeps the work per call independent of the conversation's length.
+    """
+    full = renderer.render_text(messages, tools, generation=True)
+    if parent is None:
+        return PromptPlan(renderer.encode(full), 0, None, "prefix_changed" if session_has_calls else "start")
+
+    history = renderer.render_text(messages[: parent.message_count], tools, generation=False)
+    if not full.startswith(history):
         # The template renders history differently once more messages follow: no exact chain.
-        return PromptPlan(full, 0, parent.call_id, "template_mismatch")
-    # Only the template's own tokens after the reply are needed; the reply itself is taken as
-    # sampled, which is the point (its re-rendering may tokenize differently).
-    glue = renderer.glue(with_reply, parent.full_ids)
-    tail = full[len(with_reply) :]
+        return PromptPlan(renderer.encode(full), 0, parent.call_id, "template_mismatch")
+    ended = bool(parent.full_ids) and parent.full_ids[-1] == renderer.turn_end_id
+    added = renderer.encode(renderer.glue(history, reply_ended=ended) + full[len(history):])
     link = "branch" if parent.has_child else "extend"
-    return PromptPlan(parent.full_ids + glue + tail, len(parent.full_ids), parent.call_id, link)
+    return PromptPlan(parent.full_ids + added, len(parent.full_ids), parent.call_id, link)

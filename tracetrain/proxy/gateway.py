@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Engine as DBEngine
@@ -21,6 +23,20 @@ from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
 from tracetrain.trainer.publish import Checkpoint, Publisher
 
+SESSION_CACHE = 100_000
+
+
+@dataclass
+class SessionState:
+    owner: str | None
+    group_id: str
+    next_seq: int
+    """Number for the session's next call (calls of one request share it)."""
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
 
 class Gateway:
     def __init__(self, config: Config, engine: Engine, tokenizer: Any, db: DBEngine) -> None:
@@ -35,8 +51,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.queue_depth.set_function(lambda: self.writer.queue_depth)
         self.metrics.policy_version.set_function(lambda: self.engine.version)
-        self._owners: dict[str, tuple[str | None, str]] = {}
-        """Session id -> (owner, group), for sessions already stored: saves a read per call."""
+        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
+        """Recently used stored sessions: saves a read per call and numbers calls without a query."""
         self.publisher: Publisher | None = None
         """Puts new weights into the engine; set when training is on (see cli.py)."""
         self.generation_open = asyncio.Event()
@@ -77,18 +93,34 @@ class Gateway:
                 param="model",
             )
 
-    async def session_info(self, session_id: str) -> tuple[str | None, str] | None:
-        """(owner, group) of a stored session, or None if it does not exist yet."""
-        if session_id in self._owners:
-            return self._owners[session_id]
-        row = await asyncio.to_thread(self._read, lambda db: queries.get_session(db, session_id=session_id))
-        if row is None:
-            return None
-        self._owners[session_id] = (row.owner, row.group_id)
-        return self._owners[session_id]
+    async def session_info(self, session_id: str) -> SessionState | None:
+        """Owner, group and next call number of a stored session, or None if it does not exist yet."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            state = await asyncio.to_thread(self._load_session, session_id)
+            if state is None:
+                return None
+            self._remember(session_id, state)
+        self._sessions.move_to_end(session_id)
+        return state
 
-    def remember_session(self, session_id: str, owner: str | None, group: str) -> None:
-        self._owners[session_id] = (owner, group)
+    def _load_session(self, session_id: str) -> SessionState | None:
+        with Session(self.db) as db:
+            row = queries.get_session(db, session_id=session_id)
+            if row is None:
+                return None
+            return SessionState(row.owner, row.group_id, queries.next_seq(db, session_id=session_id))
+
+    def new_session(self, session_id: str, owner: str | None, group: str) -> SessionState:
+        """The state of a session this process is about to create; a concurrent first call finds it."""
+        state = self._sessions.get(session_id) or SessionState(owner, group, 0)
+        self._remember(session_id, state)
+        return state
+
+    def _remember(self, session_id: str, state: SessionState) -> None:
+        self._sessions[session_id] = state
+        while len(self._sessions) > SESSION_CACHE:
+            self._sessions.popitem(last=False)
 
     async def find_parent(self, session_id: str, hashes: list[str], messages: list[dict[str, Any]]) -> ChainNode | None:
         """The latest call whose request + reply the messages start with (longest history first)."""

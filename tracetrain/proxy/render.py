@@ -104,35 +104,38 @@ class ChatRenderer:
             self.default_system = found.group(1).replace("\\n", "\n") if found else None
         vocab = tokenizer.get_vocab()
         self.turn_end_id: int | None = vocab.get("<|im_end|>", tokenizer.eos_token_id)
+        self.turn_end_text: str | None = (
+            None if self.turn_end_id is None else tokenizer.convert_ids_to_tokens(self.turn_end_id))
+
+    def render_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool
+    ) -> str:
+        """The template's text for canonical `messages`; `generation` appends the assistant turn opener."""
+        if self.default_system and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.default_system}, *messages]
+        functions = [tool.get("function", tool) for tool in tools] if tools else None
+        return str(self.tokenizer.apply_chat_template(
+            messages, tools=functions, chat_template=self.template, tokenize=False,
+            add_generation_prompt=generation,
+        ))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool
     ) -> list[int]:
-        """Token ids of canonical messages; `generation` appends the assistant turn opener."""
-        if self.default_system and (not messages or messages[0]["role"] != "system"):
-            messages = [{"role": "system", "content": self.default_system}, *messages]
-        functions = [tool.get("function", tool) for tool in tools] if tools else None
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=functions,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=generation,
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.encode(self.render_text(messages, tools, generation=generation))
 
-    def glue(self, rendered_reply: list[int], sampled: list[int]) -> list[int]:
-        """Tokens the template puts after the sampled reply (ChatML: the newline after <|im_end|>).
-
-        `rendered_reply` is the template's rendering of history ending in the assistant turn. If the
-        model stopped without the turn-end token (length limit, stop string), the turn end is added.
-        """
-        if self.turn_end_id is None or self.turn_end_id not in rendered_reply:
-            return []
-        last_end = len(rendered_reply) - 1 - rendered_reply[::-1].index(self.turn_end_id)
-        if sampled and sampled[-1] == self.turn_end_id:
-            return rendered_reply[last_end + 1 :]
-        return rendered_reply[last_end:]
+    def glue(self, history_text: str, *, reply_ended: bool) -> str:
+        """Text the template puts after the last assistant reply of `history_text` (ChatML: the newline
+        after <|im_end|>). If the model stopped without the turn-end token (length limit, stop string),
+        the turn end itself is added, as the template would have rendered it."""
+        end = self.turn_end_text
+        if end is None or end not in history_text:
+            return ""
+        last = history_text.rindex(end)
+        return history_text[last + len(end):] if reply_ended else history_text[last:]
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))

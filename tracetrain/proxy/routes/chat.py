@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from sqlmodel import Session
+from sqlalchemy import insert, update
+from sqlmodel import Session, col
 
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
@@ -98,9 +99,9 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
     tools = body.tools or None
     session_id = binding.session_id or completion_id
     stored = await gw.session_info(session_id) if binding.session_id else None
-    if stored is not None and not (admin or stored[0] == owner):
+    if stored is not None and not (admin or stored.owner == owner):
         raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
-    group_id = binding.group_id or (stored[1] if stored else prompt_group(messages))
+    group_id = binding.group_id or (stored.group_id if stored else prompt_group(messages))
     parent = None
     if stored is not None:
         parent = await gw.find_parent(session_id, history_hashes(tools, messages), messages)
@@ -110,7 +111,7 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
         plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
     return Turn(
         completion_id=completion_id, session_id=session_id, group_id=group_id, new_session=stored is None,
-        owner=stored[0] if stored else owner, messages=messages, tools=tools, plan=plan, parent=parent,
+        owner=stored.owner if stored else owner, messages=messages, tools=tools, plan=plan, parent=parent,
         params=_sampling(body, gw.config.default_max_tokens), version=gw.engine.version,
         started=time.perf_counter(), request=body, choices=[Choice(i) for i in range(body.n)],
     )
@@ -171,23 +172,23 @@ async def _record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> Non
             request_params={k: v for k, v in turn.params.__dict__.items()},
         ))
 
+    known = None if turn.new_session else await gw.session_info(turn.session_id)
+    seq = (known or gw.new_session(turn.session_id, turn.owner, turn.group_id)).take_seq()
+    rows = [{**call.model_dump(), "seq": seq} for call in calls]
+
     def write(db: Session) -> None:
-        session = db.get(AgentSession, turn.session_id)
-        if session is None:
+        # Core statements, not ORM objects: this runs once per call in the single writer.
+        if turn.new_session and db.get(AgentSession, turn.session_id) is None:
             db.add(AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner))
-        else:
-            session.updated_at = utcnow()
-            db.add(session)
-        seq = queries.next_seq(db, session_id=turn.session_id) if session is not None else 0
-        for call in calls:
-            call.seq = seq
-            db.add(call)
-        db.flush()
+            db.flush()
+        elif not turn.new_session:
+            db.execute(update(AgentSession).where(col(AgentSession.id) == turn.session_id)
+                       .values(updated_at=utcnow()))
+        db.execute(insert(Call), rows)
 
     await gw.writer.submit(write)
     if turn.new_session:
         gw.metrics.sessions.inc()
-    gw.remember_session(turn.session_id, turn.owner, turn.group_id)
     gw.remember_calls(calls, [plan.prompt_ids + c.token_ids for c in turn.choices], len(turn.messages) + 1)
     if turn.parent is not None and plan.link in CHAINED_LINKS:
         turn.parent.has_child = True

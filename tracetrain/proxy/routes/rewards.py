@@ -48,7 +48,7 @@ async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
     info = await gw.session_info(session_id)
     if info is None:
         raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
-    if not caller.may_access(info[0]):
+    if not caller.may_access(info.owner):
         raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
     value = combine(body.reward, gw.config.reward_weights)
     components = body.reward if isinstance(body.reward, dict) else None

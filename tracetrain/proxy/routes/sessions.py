@@ -24,7 +24,7 @@ async def _owned(gw: Gateway, session_id: str, caller: Any) -> None:
     info = await gw.session_info(session_id)
     if info is None:
         raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
-    if not caller.may_access(info[0]):
+    if not caller.may_access(info.owner):
         raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
 
 

@@ -1,0 +1,443 @@
+"""A fast fixed-output upstream speaking the vLLM 0.32 OpenAI dialect the gateway uses.
+
+- `POST /v1/completions` with `prompt` as a list of token ids (what `VLLMEngine` sends): always
+  answers the same K token ids, with their logprobs and text, `prompt_token_ids` echoed on the first
+  stream chunk (or in the choice, non-streaming), `token_ids` per chunk, one chunk per token, then
+  `data: [DONE]`. Field names and presence follow vLLM's `CompletionStreamResponse` dumped with
+  `exclude_unset=True` (streaming) and `CompletionResponse` dumped whole (non-streaming).
+- `POST /v1/chat/completions` (stream or not): the same answer in OpenAI chat shape, as vLLM sends
+  it; the "direct" baseline of `bench.gateway_overhead`.
+- `GET /health`: 200.
+
+It is a bare ASGI app on uvicorn (uvloop + httptools when installed) that does as little as it can:
+chunks are pre-serialized per answer length and only the request id, timestamp and echoed prompt are
+spliced in. `max_tokens` below K truncates the answer (finish_reason `length`); `--token-delay-ms`
+adds a pause per token to stand in for a slower engine.
+
+    python -m bench.fixed_upstream --port 8199 [--workers 2] [--answer answer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+CONFIG_ENV = "BENCH_UPSTREAM_CONFIG"
+LOGPROB = -0.25
+
+DEFAULT_WORDS = "The quick brown fox jumps over the lazy dog while the old cat watches it from the"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The fixed completion: per token its id, the text it adds and its token string."""
+
+    token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+    """Text each token adds to the answer ('' for the EOS, which vLLM skips in `text`)."""
+    tokens: tuple[str, ...]
+    """The token as vLLM names it in `logprobs.tokens` (the EOS keeps its name, e.g. `<|im_end|>`)."""
+    ends_with_eos: bool = True
+
+    @classmethod
+    def default(cls) -> Answer:
+        words = DEFAULT_WORDS.split()[:15]
+        pieces = tuple((" " if i else "") + w for i, w in enumerate(words)) + ("",)
+        tokens = pieces[:-1] + ("<|im_end|>",)
+        return cls(tuple(range(1000, 1000 + len(words))) + (2,), pieces, tokens, True)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Answer:
+        return cls(
+            tuple(data["token_ids"]),
+            tuple(data["pieces"]),
+            tuple(data.get("tokens") or data["pieces"]),
+            bool(data.get("ends_with_eos", True)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_ids": list(self.token_ids),
+            "pieces": list(self.pieces),
+            "tokens": list(self.tokens),
+            "ends_with_eos": self.ends_with_eos,
+        }
+
+    def finish(self, n: int) -> str:
+        return "stop" if n == len(self.token_ids) and self.ends_with_eos else "length"
+
+    def text(self, n: int) -> str:
+        return "".join(self.pieces[:n])
+
+
+@dataclass(frozen=True)
+class Settings:
+    answer: Answer
+    token_delay_s: float = 0.0
+
+
+def _top(token: str, k: int) -> dict[str, float]:
+    """vLLM's top_logprobs entry: the sampled token first, then k alternatives."""
+    entry = {token: LOGPROB}
+    for j in range(k):
+        entry[f"<alt{j}>"] = LOGPROB - 1 - j
+    return entry
+
+
+class Renderer:
+    """Pre-serialized pieces of every response shape, cached per (tokens, logprobs, ids) choice."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+    def _completion_logprobs(self, start: int, end: int, k: int, offset: int) -> dict[str, Any]:
+        offsets, tokens = [], []
+        for i in range(start, end):
+            offsets.append(offset)
+            tokens.append(self.answer.tokens[i])
+            offset += len(self.answer.tokens[i])
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [LOGPROB] * (end - start),
+            "tokens": tokens,
+            "top_logprobs": [_top(t, k) for t in tokens],
+        }
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one renderer per process, lives as long as it
+    def completion_stream_choices(self, n: int, k: int | None, ids: bool) -> tuple[dict[str, Any], Chunks]:
+        """The first chunk's choice as a dict (the prompt ids go in per request) and every chunk's
+        (choice, tail) bytes; the first chunk's choice bytes are left empty."""
+        choices: list[dict[str, Any]] = []
+        offset = 0
+        for i in range(n):
+            last = i == n - 1
+            choices.append(
+                {
+                    "index": 0,
+                    "text": self.answer.pieces[i],
+                    "logprobs": None if k is None else self._completion_logprobs(i, i + 1, k, offset),
+                    "finish_reason": self.answer.finish(n) if last else None,
+                    "stop_reason": None,
+                    "prompt_token_ids": None,
+                    "token_ids": [self.answer.token_ids[i]] if ids else None,
+                }
+            )
+            offset += len(self.answer.tokens[i])
+        chunks = tuple(
+            (b"" if i == 0 else orjson.dumps(c), FINAL_TAIL if i == n - 1 else TAIL)
+            for i, c in enumerate(choices)
+        )
+        return choices[0], chunks
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def completion_choice(self, n: int, k: int | None, ids: bool) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": self.answer.text(n),
+            "logprobs": None if k is None else self._completion_logprobs(0, n, k, 0),
+            "finish_reason": self.answer.finish(n),
+            "stop_reason": None,
+            "token_ids": list(self.answer.token_ids[:n]) if ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def chat_stream_choices(self, n: int) -> Chunks:
+        """The role chunk, then one chunk per token with text, the last one carrying the finish reason."""
+        role = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        chunks: list[tuple[bytes, bytes]] = [(orjson.dumps(role), CHAT_FIRST_TAIL)]
+        for i, piece in enumerate(self.answer.pieces[:n]):
+            last = i == n - 1
+            if not piece and not last:
+                continue
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None}
+            choice["finish_reason"] = self.answer.finish(n) if last else None
+            if last:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+            chunks.append((orjson.dumps(choice), TAIL))
+        return tuple(chunks)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+Chunks = tuple[tuple[bytes, bytes], ...]
+"""Per SSE chunk: the serialized choice and what follows the choices list."""
+FINGERPRINT = "vllm-0.32.0-fixed"
+TAIL = b"]}\n\n"
+FINAL_TAIL = b'],"system_fingerprint":"' + FINGERPRINT.encode() + b'"}\n\n'
+"""vLLM stamps the fingerprint on the terminal chunk when no usage chunk follows."""
+CHAT_FIRST_TAIL = b'],"prompt_token_ids":null,"prompt_text":null}\n\n'
+
+
+def _head(request_id: str, obj: str, created: int, model: Any) -> bytes:
+    return (
+        b'data: {"id":"'
+        + request_id.encode()
+        + b'","object":"'
+        + obj.encode()
+        + b'","created":'
+        + str(created).encode()
+        + b',"model":'
+        + orjson.dumps(model)
+        + b',"choices":['
+    )
+
+
+class FixedUpstream:
+    """The ASGI app."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.answer = settings.answer
+        self.render = Renderer(settings.answer)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            await _respond(send, 200, b"", b"text/plain")
+            return
+        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+            await _respond(send, 404, b'{"error":{"message":"not found","code":404}}')
+            return
+        try:
+            body = orjson.loads(await _read_body(receive))
+        except orjson.JSONDecodeError:
+            await _respond(send, 400, b'{"error":{"message":"invalid JSON","code":400}}')
+            return
+        n = min(
+            len(self.answer.token_ids),
+            int(body.get("max_tokens") or body.get("max_completion_tokens") or len(self.answer.token_ids)),
+        )
+        if path == "/v1/completions":
+            await self.completions(body, n, send)
+        else:
+            await self.chat(body, n, send)
+
+    async def completions(self, body: dict[str, Any], n: int, send: Send) -> None:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            await _respond(
+                send, 400, b'{"error":{"message":"prompt must be a list of token ids","code":400}}'
+            )
+            return
+        k = body.get("logprobs")
+        ids = bool(body.get("return_token_ids"))
+        request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
+        created = int(time.time())
+        model = body.get("model", "fixed")
+        if not body.get("stream"):
+            choice = {**self.render.completion_choice(n, k, ids), "prompt_token_ids": prompt if ids else None}
+            payload = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": FINGERPRINT,
+                "usage": _usage(len(prompt), n),
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+            await _respond(send, 200, orjson.dumps(payload))
+            return
+        first, chunks = self.render.completion_stream_choices(n, k, ids)
+        head = _head(request_id, "text_completion", created, model)
+        await _start_stream(send)
+        for i, (serialized, tail) in enumerate(chunks):
+            if i == 0:
+                serialized = orjson.dumps({**first, "prompt_token_ids": prompt if ids else None})
+            await self._pause()
+            await _send_more(send, head + serialized + tail)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def chat(self, body: dict[str, Any], n: int, send: Send) -> None:
+        request_id = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        created = int(time.time())
+        model = body.get("model", "fixed")
+        prompt_tokens = sum(len(str(m.get("content") or "")) // 4 for m in body.get("messages") or [])
+        if not body.get("stream"):
+            payload = {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": self.answer.text(n),
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": self.answer.finish(n),
+                        "stop_reason": None,
+                        "token_ids": None,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": FINGERPRINT,
+                "usage": _usage(prompt_tokens, n),
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+            await _respond(send, 200, orjson.dumps(payload))
+            return
+        head = _head(request_id, "chat.completion.chunk", created, model)
+        await _start_stream(send)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunks = self.render.chat_stream_choices(n)
+        for i, (choice, tail) in enumerate(chunks):
+            await self._pause()
+            final = i == len(chunks) - 1 and not include_usage
+            await _send_more(send, head + choice + (FINAL_TAIL if final else tail))
+        if include_usage:
+            usage = {k: v for k, v in _usage(prompt_tokens, n).items() if v is not None}
+            data = b'],"usage":' + orjson.dumps(usage) + b',"system_fingerprint":"' + FINGERPRINT.encode()
+            await _send_more(send, head + data + b'"}\n\n')
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _pause(self) -> None:
+        if self.settings.token_delay_s:
+            await asyncio.sleep(self.settings.token_delay_s)
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _start_stream(send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+        }
+    )
+
+
+async def _send_more(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def create_app() -> FixedUpstream:
+    """uvicorn factory: settings come from $BENCH_UPSTREAM_CONFIG so that every worker sees them."""
+    raw = orjson.loads(os.environ.get(CONFIG_ENV) or b"{}")
+    answer = Answer.from_json(raw["answer"]) if raw.get("answer") else Answer.default()
+    return FixedUpstream(Settings(answer=answer, token_delay_s=float(raw.get("token_delay_ms", 0)) / 1000))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+    from rich.console import Console
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fixed_upstream",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8199)
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default 1)")
+    parser.add_argument(
+        "--answer",
+        help="JSON file: {token_ids, pieces, tokens, ends_with_eos} (default: "
+        "16 made-up ids, the last one EOS id 2)",
+    )
+    parser.add_argument("--answer-json", help="the same, inline")
+    parser.add_argument(
+        "--token-delay-ms", type=float, default=0.0, help="pause before each token (default 0)"
+    )
+    args = parser.parse_args(argv)
+    answer: dict[str, Any] | None = None
+    if args.answer:
+        with open(args.answer, "rb") as f:
+            answer = orjson.loads(f.read())
+    elif args.answer_json:
+        answer = orjson.loads(args.answer_json)
+    os.environ[CONFIG_ENV] = orjson.dumps({"answer": answer, "token_delay_ms": args.token_delay_ms}).decode()
+    tokens = len(answer["token_ids"]) if answer else len(Answer.default().token_ids)
+    Console(stderr=True).print(
+        f"[bold]fixed upstream[/] on http://{args.host}:{args.port} · {args.workers} worker(s) · "
+        f"{tokens} tokens per answer · {args.token_delay_ms} ms/token"
+    )
+    uvicorn.run(
+        "bench.fixed_upstream:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+    )
+
+
+if __name__ == "__main__":
+    main()

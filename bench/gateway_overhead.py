@@ -1,0 +1,853 @@
+"""What the gateway adds on top of the engine: latency, time to first token and throughput.
+
+Three processes: the upstream (the fixed-output `bench.fixed_upstream`, or real vLLM CPU with
+`--upstream vllm`), the gateway (`python -m tracetrain.cli serve --engine vllm --engine-url …`, with a
+fresh SQLite store), and this one, the load generator. For each concurrency and for non-streaming and
+streaming requests, the same workload goes
+
+- direct: to the upstream's own `/v1/chat/completions`, and
+- gateway: to `/s/<session>/v1/chat/completions` of the gateway, which renders the chat template,
+  calls the upstream's `/v1/completions` with token ids and commits the call before answering.
+
+Phases alternate direct/gateway in rounds (D G, G D, …) so that background load on the machine hits
+both alike; compare the two columns of one run, not runs with each other. Sessions: `--sessions
+unique` (default) gives every request its own new session; `--sessions multiturn` runs one
+conversation per client connection that grows for `--turns` turns (each request extends the previous
+reply, exercising the token chain), then starts a new session. Afterwards every completion id the load
+generator received from the gateway is looked up in the store's `calls` table.
+
+    python -m bench.gateway_overhead                   # fixed upstream, concurrency 1, 16, 64
+    python -m bench.gateway_overhead --upstream vllm   # real vLLM CPU, small counts
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.client import Connection, HTTPFailure, Reply
+from bench.common import (
+    OUT_DIR,
+    ResultTable,
+    ServerProcess,
+    console,
+    free_port,
+    group_cpu_seconds,
+    machine_line,
+    percentile,
+    python_cmd,
+    self_cpu_seconds,
+    write_results,
+)
+
+MODEL_NAME = "smollm2-135m-instruct"
+ANSWER_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the old cat watches it from the warm "
+    "windowsill, and the story goes on and on without end."
+)
+WORDS = [
+    "agent",
+    "tool",
+    "call",
+    "result",
+    "search",
+    "file",
+    "read",
+    "write",
+    "plan",
+    "step",
+    "check",
+    "answer",
+    "question",
+    "model",
+    "token",
+    "prompt",
+    "reward",
+    "session",
+    "trace",
+    "store",
+    "batch",
+    "query",
+    "table",
+    "index",
+    "value",
+    "error",
+    "retry",
+    "limit",
+    "cache",
+    "update",
+    "version",
+    "policy",
+    "train",
+    "sample",
+    "score",
+    "review",
+    "branch",
+    "merge",
+    "commit",
+    "deploy",
+    "build",
+    "test",
+]
+SYSTEM_PROMPT = (
+    "You are a careful coding agent. Think step by step, call tools when they help, and "
+    "answer concisely. Never invent file contents; read them first."
+)
+
+
+# ---------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    tag: str
+    """Unique per run, so that session ids never collide with an earlier run's."""
+    max_tokens: int
+    prompt_words: int
+    turns: int
+    """Requests per session: 1 for unique sessions."""
+    temperature: float | None = None
+    long_answer_prompt: bool = False
+    """vLLM: ask for a long text, so both paths run to max_tokens rather than an early EOS."""
+
+    def user_text(self, n: int) -> str:
+        words = [WORDS[(n * 7 + i * 13) % len(WORDS)] for i in range(self.prompt_words)]
+        lead = "Write a long story about these words, never stopping: " if self.long_answer_prompt else ""
+        return f"{lead}Request {n}: " + " ".join(words)
+
+
+_session_numbers = itertools.count()
+_request_numbers = itertools.count()
+
+
+class Conversation:
+    """The messages one client sends: a new session every `turns` requests."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.session = ""
+        self.messages: list[dict[str, Any]] = []
+        self.turn = 0
+        self._new()
+
+    def _new(self) -> None:
+        self.session = f"{self.workload.tag}-{next(_session_numbers)}"
+        self.messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": self.workload.user_text(next(_request_numbers))},
+        ]
+        self.turn = 0
+
+    def body(self, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "messages": self.messages,
+            "max_tokens": self.workload.max_tokens,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.workload.temperature is not None:
+            body["temperature"] = self.workload.temperature
+        return body
+
+    def advance(self, reply_text: str) -> None:
+        self.turn += 1
+        if self.turn >= self.workload.turns:
+            self._new()
+            return
+        self.messages = [
+            *self.messages,
+            {"role": "assistant", "content": reply_text},
+            {"role": "user", "content": self.workload.user_text(next(_request_numbers))},
+        ]
+
+
+# ---------------------------------------------------------------- targets and phases
+
+
+@dataclass
+class Target:
+    name: str
+    host: str
+    port: int
+    via_gateway: bool
+
+    def path(self, session: str) -> str:
+        return f"/s/{session}/v1/chat/completions" if self.via_gateway else "/v1/chat/completions"
+
+
+@dataclass
+class Sample:
+    latency_s: float
+    first_token_s: float | None
+    completion_id: str
+    completion_tokens: int
+
+
+@dataclass
+class Stats:
+    """All samples of one (target, stream, concurrency) across its rounds."""
+
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: Counter[str] = field(default_factory=Counter)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each process (gateway, upstream, loadgen) spent during this target's phases."""
+
+    @property
+    def rps(self) -> float:
+        return len(self.samples) / self.wall_s if self.wall_s else float("nan")
+
+    def latency_ms(self, q: float) -> float:
+        return percentile([s.latency_s for s in self.samples], q) * 1000
+
+    def ttft_ms(self, q: float) -> float:
+        values = [s.first_token_s for s in self.samples if s.first_token_s is not None]
+        return percentile(values, q) * 1000
+
+    def tokens_per_request(self) -> float:
+        return sum(s.completion_tokens for s in self.samples) / max(1, len(self.samples))
+
+    def cpu_ms_per_request(self, process: str) -> float:
+        if not self.samples or process not in self.cpu_s:
+            return float("nan")
+        return 1000 * self.cpu_s[process] / len(self.samples)
+
+
+def _parse(reply: Reply, stream: bool) -> tuple[str, str, int]:
+    """(completion id, answer text, completion tokens) of a successful reply."""
+    if not stream:
+        data = reply.json()
+        message = data["choices"][0]["message"]
+        return data["id"], message["content"] or "", int(data["usage"]["completion_tokens"])
+    if not reply.done or not reply.events:
+        raise HTTPFailure("stream ended without [DONE]")
+    for event in reply.events:
+        if "error" in event:
+            raise HTTPFailure(f"error event: {event['error']}")
+    choices = [c for e in reply.events for c in e.get("choices") or ()]
+    text = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+    usage: dict[str, Any] = next((e["usage"] for e in reversed(reply.events) if e.get("usage")), {})
+    return reply.events[0]["id"], text, int(usage.get("completion_tokens") or 0)
+
+
+@dataclass
+class Plan:
+    concurrencies: list[int]
+    requests: int
+    requests_serial: int
+    rounds: int
+    warmup: int
+    streams: list[bool]
+    phase_timeout_s: float
+    request_timeout_s: float
+
+    def count(self, concurrency: int) -> int:
+        return self.requests_serial if concurrency == 1 else self.requests
+
+
+Key = tuple[bool, int, str]
+"""(stream, concurrency, target name)."""
+
+
+class LoadRunner:
+    """Runs the phases; `received` collects every completion id the gateway answered with."""
+
+    def __init__(self, plan: Plan, workload: Workload, meters: dict[str, Callable[[], float]]) -> None:
+        self.plan = plan
+        self.workload = workload
+        self.meters = meters
+        self.received: set[str] = set()
+        self.done = 0
+
+    async def phase(
+        self, target: Target, *, stream: bool, concurrency: int, requests: int, stats: Stats
+    ) -> None:
+        """`requests` requests over `concurrency` keep-alive connections, recorded into `stats`."""
+        remaining = requests
+        stop_at = time.perf_counter() + self.plan.phase_timeout_s
+
+        async def client() -> None:
+            nonlocal remaining
+            conn = Connection(target.host, target.port)
+            conversation = Conversation(self.workload)
+            try:
+                while remaining > 0 and time.perf_counter() < stop_at:
+                    remaining -= 1
+                    path, body = target.path(conversation.session), conversation.body(stream)
+                    try:
+                        post = conn.post(path, body, stream=stream)
+                        reply = await asyncio.wait_for(post, self.plan.request_timeout_s)
+                        if reply.status != 200:
+                            raise HTTPFailure(f"HTTP {reply.status}: {reply.body[:200]!r}")
+                        completion_id, text, tokens = _parse(reply, stream)
+                    except (HTTPFailure, TimeoutError, KeyError, ValueError) as exc:
+                        stats.errors[str(exc)[:120] or type(exc).__name__] += 1
+                        await conn.close()
+                        conversation = Conversation(self.workload)
+                        continue
+                    finally:
+                        self.done += 1
+                    stats.samples.append(Sample(reply.latency_s, reply.first_token_s, completion_id, tokens))
+                    if target.via_gateway:
+                        self.received.add(completion_id)
+                    conversation.advance(text)
+            finally:
+                await conn.close()
+
+        cpu_before = {name: meter() for name, meter in self.meters.items()}
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        stats.wall_s += time.perf_counter() - started
+        for name, meter in self.meters.items():
+            stats.cpu_s[name] = stats.cpu_s.get(name, 0.0) + meter() - cpu_before[name]
+        if remaining > 0:
+            stats.errors[f"phase deadline ({self.plan.phase_timeout_s:.0f} s) hit: {remaining} not sent"] += 1
+
+    async def run(self, direct: Target, gateway: Target) -> dict[Key, Stats]:
+        """Warm-up, then per config alternating rounds: D G, G D, D G, …"""
+        plan = self.plan
+        results: dict[Key, Stats] = {}
+        configs = [(s, c) for s in plan.streams for c in plan.concurrencies]
+        total = sum(plan.count(c) * 2 for _, c in configs) + plan.warmup * 2 * len(plan.streams)
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, refresh_per_second=4) as progress:
+            task = progress.add_task("warm-up", total=total)
+
+            async def ticker() -> None:
+                while True:
+                    progress.update(task, completed=self.done)
+                    await asyncio.sleep(0.25)
+
+            tick = asyncio.create_task(ticker())
+            try:
+                for stream in plan.streams:
+                    for target in (direct, gateway):
+                        warm = min(4, max(1, plan.warmup))
+                        await self.phase(
+                            target, stream=stream, concurrency=warm, requests=plan.warmup, stats=Stats()
+                        )
+                for stream, concurrency in configs:
+                    per_round = max(1, plan.count(concurrency) // plan.rounds)
+                    for r in range(plan.rounds):
+                        for target in (direct, gateway) if r % 2 == 0 else (gateway, direct):
+                            mode = "stream" if stream else "non-stream"
+                            label = f"{mode} c={concurrency} round {r + 1}/{plan.rounds}: {target.name}"
+                            progress.update(task, description=label)
+                            stats = results.setdefault((stream, concurrency, target.name), Stats())
+                            await self.phase(
+                                target,
+                                stream=stream,
+                                concurrency=concurrency,
+                                requests=per_round,
+                                stats=stats,
+                            )
+                progress.update(task, completed=self.done, description="done")
+            finally:
+                tick.cancel()
+        return results
+
+
+# ---------------------------------------------------------------- store check
+
+
+@dataclass
+class StoreCheck:
+    received: int
+    stored: int
+    missing: int
+    wrong_tokens: int | None
+    links: str
+    """How the received calls joined their sessions, e.g. `start 170, extend 850`."""
+
+
+def check_store(db_url: str, received: set[str], expected_tokens: int | None) -> StoreCheck:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT completion_id, completion_tokens, link FROM calls")).all()
+    finally:
+        engine.dispose()
+    stored = {row[0] for row in rows}
+    wrong = None
+    if expected_tokens is not None:
+        wrong = sum(1 for cid, tokens, _ in rows if cid in received and tokens != expected_tokens)
+    links = Counter(link for cid, _, link in rows if cid in received)
+    described = ", ".join(f"{link} {count}" for link, count in links.most_common())
+    return StoreCheck(len(received), len(stored & received), len(received - stored), wrong, described)
+
+
+# ---------------------------------------------------------------- servers
+
+
+def fixed_answer(model_dir: Path, tokens: int) -> dict[str, Any]:
+    """The fixed upstream's answer in the model's real token ids: `tokens - 1` text tokens + EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = list(tokenizer.encode(ANSWER_TEXT, add_special_tokens=False))[: tokens - 1]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pieces: list[str] = []
+    prev = ""
+    for i in range(len(ids)):
+        text = str(tokenizer.decode(ids[: i + 1]))
+        pieces.append(text[len(prev) :])
+        prev = text
+    names = [tokenizer.decode([t]) for t in ids]
+    return {
+        "token_ids": [*ids, eos],
+        "pieces": [*pieces, ""],
+        "tokens": [*names, "<|im_end|>"],
+        "ends_with_eos": True,
+    }
+
+
+def start_gateway(
+    upstream_url: str, model_dir: Path, db_url: str, env: dict[str, str], src: Path | None
+) -> ServerProcess:
+    """`tracetrain serve` in front of the upstream; from the source tree `src` when given."""
+    port = free_port()
+    options = {
+        "--engine": "vllm",
+        "--engine-url": upstream_url,
+        "--model": str(model_dir),
+        "--served-model-name": MODEL_NAME,
+        "--db-url": db_url,
+        "--port": str(port),
+    }
+    cmd = python_cmd("-m", "tracetrain.cli", "serve", *[x for pair in options.items() for x in pair])
+    if src is not None:
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)}
+    url = f"http://127.0.0.1:{port}"
+    return ServerProcess("gateway", cmd, url, env=env, cwd=src).start(timeout=120)
+
+
+class Profiler:
+    """py-spy attached to the gateway, writing folded stacks; summarised into tables afterwards."""
+
+    def __init__(self, py_spy: str, pid: int, rate: int) -> None:
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        self.path = OUT_DIR / "gateway_profile.folded"
+        options = f"record --rate {rate} --nonblocking --gil --format raw".split()
+        command = [py_spy, *options, "--pid", str(pid), "--output", str(self.path)]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> Path:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return self.path
+
+
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("store: group commit (writer thread)", ("StoreWriter._commit",)),
+    ("store: reads (session lookup, chain load)", ("Gateway._read", "Gateway._load_node")),
+    ("engine: httpx stream to upstream + SSE parse", ("VLLMEngine.generate",)),
+    ("prompt: chat template + tokenizer", ("ChatRenderer.render",)),
+    ("history hashes, canonical messages, group", ("history_hashes", "canonical_message", "prompt_group")),
+    ("record: build Call rows, submit", ("_record ",)),
+    ("stream: SSE chunks to the client", ("_stream ",)),
+    ("other route code (prepare, reply, logprobs)", ("chat_completions ",)),
+    ("FastAPI: body parse, validation, response", ("get_request_handler",)),
+    ("logging", ("Logger.",)),
+    ("uvicorn, starlette, asyncio loop, other", ()),
+]
+"""Where a sample goes: the first category one of whose markers appears in its stack."""
+
+
+def _frame_name(frame: str) -> str:
+    """`func (path/file.py:123)` -> `func (path/file.py)`."""
+    name, _, where = frame.rpartition(" (")
+    return f"{name} ({where.rstrip(')').rsplit(':', 1)[0]})"
+
+
+def profile_tables(folded: Path, top: int) -> list[ResultTable]:
+    """Self time per function and a breakdown of the gateway's time by activity."""
+    self_time: Counter[str] = Counter()
+    category: Counter[str] = Counter()
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        self_time[_frame_name(stack.rsplit(";", 1)[-1])] += count
+        label = next(name for name, markers in CATEGORIES if not markers or any(m in stack for m in markers))
+        category[label] += count
+    if not total:
+        return []
+    by_category = ResultTable(
+        f"Gateway profile: where the time goes ({total} samples, GIL holder only)",
+        ["activity (first match in the stack)", "% of samples"],
+    )
+    for name, _ in CATEGORIES:
+        by_category.add(name, f"{100 * category[name] / total:.1f}")
+    by_self = ResultTable(f"Gateway profile: self time, top {top}", ["function", "self %"])
+    for name, count in self_time.most_common(top):
+        by_self.add(name, f"{100 * count / total:.1f}")
+    return [by_category, by_self]
+
+
+# ---------------------------------------------------------------- report
+
+
+def _ms(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _mode(stream: bool) -> str:
+    return "stream" if stream else "non-stream"
+
+
+def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: str) -> list[ResultTable]:
+    summary = ResultTable(
+        f"Gateway overhead vs direct ({upstream} upstream)",
+        [
+            "mode",
+            "conc",
+            "direct req/s",
+            "gateway req/s",
+            "gw/direct",
+            "added p50 ms",
+            "added p99 ms",
+            "added TTFT p50 ms",
+            "gateway CPU ms/req",
+            "errors d/gw",
+        ],
+    )
+    detail = ResultTable(
+        "Per target (CPU ms/req: CPU time of each process during the target's phases / requests)",
+        [
+            "mode",
+            "conc",
+            "target",
+            "ok",
+            "req/s",
+            "p50 ms",
+            "p99 ms",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "tokens/req",
+            "CPU gateway",
+            "CPU upstream",
+            "CPU loadgen",
+        ],
+    )
+    for stream in plan.streams:
+        for c in plan.concurrencies:
+            d, g = results[(stream, c, "direct")], results[(stream, c, "gateway")]
+            summary.add(
+                _mode(stream),
+                c,
+                _rate(d.rps),
+                _rate(g.rps),
+                f"{g.rps / d.rps:.0%}" if d.rps else "n/a",
+                _ms(g.latency_ms(50) - d.latency_ms(50)),
+                _ms(g.latency_ms(99) - d.latency_ms(99)),
+                _ms(g.ttft_ms(50) - d.ttft_ms(50)) if stream else "",
+                _ms(g.cpu_ms_per_request("gateway")),
+                f"{sum(d.errors.values())}/{sum(g.errors.values())}",
+            )
+            for name, t in (("direct", d), ("gateway", g)):
+                detail.add(
+                    _mode(stream),
+                    c,
+                    name,
+                    len(t.samples),
+                    _rate(t.rps),
+                    _ms(t.latency_ms(50)),
+                    _ms(t.latency_ms(99)),
+                    _ms(t.ttft_ms(50)) if stream else "",
+                    _ms(t.ttft_ms(99)) if stream else "",
+                    f"{t.tokens_per_request():.1f}",
+                    _ms(t.cpu_ms_per_request("gateway")) if name == "gateway" else "",
+                    _ms(t.cpu_ms_per_request("upstream")),
+                    _ms(t.cpu_ms_per_request("loadgen")),
+                )
+    store = ResultTable(
+        "Store check: every completion id the load generator got from the gateway, looked up in `calls`",
+        ["received ids", "found in calls", "missing from store", "wrong completion_tokens", "links"],
+        right_align_from=0,
+    )
+    wrong = "n/a" if check.wrong_tokens is None else check.wrong_tokens
+    store.add(check.received, check.stored, check.missing, wrong, check.links)
+    targets = ResultTable("Targets", ["target", "measured", "met"])
+    if 16 in plan.concurrencies:
+        for stream in plan.streams:
+            d, g = results[(stream, 16, "direct")], results[(stream, 16, "gateway")]
+            added = g.latency_ms(50) - d.latency_ms(50)
+            ratio = g.rps / d.rps if d.rps else float("nan")
+            targets.add(f"added p50 < 2 ms at c=16 ({_mode(stream)})", f"{added:.2f} ms", _yes(added < 2))
+            targets.add(
+                f"throughput >= 90% of direct at c=16 ({_mode(stream)})", f"{ratio:.0%}", _yes(ratio >= 0.9)
+            )
+    targets.add("missing from store: 0", str(check.missing), _yes(check.missing == 0))
+    tables = [summary, detail, store, targets]
+    errors: Counter[str] = Counter()
+    for t in results.values():
+        errors.update(t.errors)
+    if errors:
+        table = ResultTable("Errors", ["error", "count"])
+        for message, count in errors.most_common(10):
+            table.add(message, count)
+        tables.append(table)
+    return tables
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+# ---------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gateway_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--upstream",
+        choices=["fixed", "vllm"],
+        default="fixed",
+        help="fixed-output server (default) or real vLLM CPU on SmolLM2",
+    )
+    p.add_argument(
+        "--upstream-url",
+        help="use the server already running here instead of starting one (with --upstream vllm: a vLLM "
+        f"serving the SmolLM2 directory as '{MODEL_NAME}')",
+    )
+    p.add_argument("--concurrency", help="comma-separated client connections (default 1,16,64; vllm: 1,16)")
+    p.add_argument(
+        "--requests", type=int, help="per target and config at concurrency > 1 (default 1000; vllm: 48)"
+    )
+    p.add_argument("--requests-serial", type=int, help="per target at concurrency 1 (default 200; vllm: 12)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="alternating direct/gateway rounds per config (default 2)"
+    )
+    p.add_argument("--warmup", type=int, help="warm-up requests per target and mode (default 100; vllm: 4)")
+    p.add_argument("--mode", choices=["both", "non-stream", "stream"], default="both")
+    p.add_argument(
+        "--sessions",
+        choices=["unique", "multiturn"],
+        default="unique",
+        help="a new session per request (default), or growing conversations",
+    )
+    p.add_argument("--turns", type=int, default=6, help="requests per session with --sessions multiturn")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (fixed: the answer length)")
+    p.add_argument("--prompt-words", type=int, default=150, help="words in each user message (default 150)")
+    p.add_argument("--upstream-workers", type=int, default=1, help="uvicorn workers of the fixed upstream")
+    p.add_argument("--token-delay-ms", type=float, default=0.0, help="fixed upstream: pause per token")
+    p.add_argument("--db-url", help="gateway store (default: a fresh SQLite file in a temporary directory)")
+    p.add_argument(
+        "--gateway-src",
+        type=Path,
+        help="run the gateway from this source tree (a directory holding `tracetrain/`, e.g. a `git archive` "
+        "snapshot) instead of the working tree",
+    )
+    p.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the gateway, e.g. TRACETRAIN_SQLITE_SYNCHRONOUS=NORMAL (repeatable)",
+    )
+    p.add_argument(
+        "--phase-timeout", type=float, default=180.0, help="stop sending in a phase after this (s)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="attach py-spy to the gateway and break down where its time goes (skews timings)",
+    )
+    p.add_argument(
+        "--py-spy",
+        default=os.environ.get("PY_SPY") or shutil.which("py-spy") or "",
+        help="py-spy executable (default: $PY_SPY, then PATH)",
+    )
+    p.add_argument(
+        "--output", help="results file under bench/results, without .md (default from the options)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    vllm = args.upstream == "vllm"
+    plan = Plan(
+        concurrencies=[int(c) for c in (args.concurrency or ("1,16" if vllm else "1,16,64")).split(",")],
+        requests=args.requests or (48 if vllm else 1000),
+        requests_serial=args.requests_serial or (12 if vllm else 200),
+        rounds=max(1, args.rounds),
+        warmup=args.warmup if args.warmup is not None else (4 if vllm else 100),
+        streams={"both": [False, True], "non-stream": [False], "stream": [True]}[args.mode],
+        phase_timeout_s=args.phase_timeout,
+        request_timeout_s=300.0 if vllm else 60.0,
+    )
+    workload = Workload(
+        tag=f"bench{int(time.time())}",
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        turns=args.turns if args.sessions == "multiturn" else 1,
+        temperature=0.0 if vllm else None,
+        long_answer_prompt=vllm,
+    )
+    if args.profile and not args.py_spy:
+        raise SystemExit("--profile needs py-spy (pip install py-spy, or --py-spy PATH)")
+    gateway_env = dict(item.split("=", 1) for item in args.gateway_env)
+
+    from tracetrain.engines.models import smollm2_dir
+
+    model_dir = smollm2_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="tt-bench-"))
+    db_url = args.db_url or f"sqlite:///{tmp / 'gateway.db'}"
+    console.rule(f"[bold]gateway overhead · {args.upstream} upstream · {args.sessions} sessions")
+    console.print(machine_line())
+    upstream: Any = None
+    gateway: ServerProcess | None = None
+    profiler: Profiler | None = None
+    folded: Path | None = None
+    try:
+        with console.status("starting the upstream…"):
+            upstream = start_upstream(args, model_dir)
+        with console.status("starting the gateway…"):
+            gateway = start_gateway(upstream.url, model_dir, db_url, gateway_env, args.gateway_src)
+        console.print(f"upstream {upstream.url} · gateway {gateway.url} · store {db_url} · logs in {OUT_DIR}")
+        if args.profile:
+            profiler = Profiler(args.py_spy, gateway.pid, rate=250)
+        meters: dict[str, Callable[[], float]] = {
+            "gateway": functools.partial(group_cpu_seconds, gateway.pid),
+            "loadgen": self_cpu_seconds,
+        }
+        if upstream.process is not None:
+            meters["upstream"] = functools.partial(group_cpu_seconds, upstream.process.pid)
+        runner = LoadRunner(plan, workload, meters)
+        host, port = upstream.url.removeprefix("http://").rsplit(":", 1)
+        direct = Target("direct", host, int(port), via_gateway=False)
+        via = Target("gateway", "127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), via_gateway=True)
+        started = time.perf_counter()
+        results = asyncio.run(runner.run(direct, via))
+        elapsed = time.perf_counter() - started
+        folded = profiler.stop() if profiler else None
+        with console.status("checking the store…"):
+            check = check_store(db_url, runner.received, None if vllm else args.max_tokens)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if upstream is not None:
+            upstream.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    tables = report(results, plan, check, args.upstream)
+    if folded is not None and folded.exists():
+        tables += profile_tables(folded, top=25)
+    for table in tables:
+        console.print(table.rich())
+    turns = (
+        f"{args.turns} requests each" if args.sessions == "multiturn" else "a new session for every request"
+    )
+    notes = [
+        f"sessions: {args.sessions} ({turns}); answers of {args.max_tokens} tokens; user messages of "
+        f"{args.prompt_words} words; {plan.rounds} alternating direct/gateway rounds per config; "
+        f"load phases took {elapsed:.0f} s",
+        "direct = the upstream's own /v1/chat/completions; gateway = /s/<session>/v1/chat/completions "
+        "(chat template + tokenizer, upstream /v1/completions with token ids, store commit before answering)",
+        "added = gateway percentile minus direct percentile; TTFT = until the first SSE event carrying text",
+        "one machine with shared, partly stolen cores: compare within a run, not across runs",
+    ]
+    if args.gateway_src:
+        notes.append(f"gateway source: {args.gateway_src}" + _commit_of(args.gateway_src))
+    if gateway_env:
+        notes.append(f"gateway environment: {gateway_env}")
+    if folded is not None:
+        notes.append(f"py-spy was attached (timings skewed); folded stacks: {folded}")
+    name = args.output or "gateway_overhead" + ("_vllm" if vllm else "") + (
+        "_profile" if args.profile else ""
+    )
+    command = " ".join(["python -m bench.gateway_overhead", *map(shlex.quote, argv or sys.argv[1:])])
+    path = write_results(name, "Gateway overhead", command, tables, notes)
+    console.print(f"written to {path}")
+
+
+def _commit_of(src: Path) -> str:
+    marker = src / "COMMIT"
+    return f" (commit {marker.read_text().strip()[:12]})" if marker.exists() else ""
+
+
+@dataclass
+class ExternalUpstream:
+    """An upstream this script did not start (`--upstream-url`): not measured for CPU, not stopped."""
+
+    url: str
+    process: None = None
+
+    def stop(self) -> None:
+        pass
+
+
+def start_upstream(args: argparse.Namespace, model_dir: Path) -> Any:
+    """A started `VLLMServer` or fixed-upstream `ServerProcess` (both have `.url`, `.process`, `.stop()`),
+    or the server at `--upstream-url`."""
+    if args.upstream_url:
+        return ExternalUpstream(args.upstream_url.rstrip("/").removesuffix("/v1"))
+    if args.upstream == "vllm":
+        from tracetrain.engines.vllm_server import VLLMServer
+
+        server = VLLMServer(
+            model_dir, served_model_name=MODEL_NAME, max_model_len=4096, log_path=OUT_DIR / "vllm.log"
+        )
+        return server.start()
+    answer = orjson.dumps(fixed_answer(model_dir, args.max_tokens)).decode()
+    port = free_port()
+    cmd = python_cmd(
+        "-m",
+        "bench.fixed_upstream",
+        "--port",
+        str(port),
+        "--workers",
+        str(args.upstream_workers),
+        "--token-delay-ms",
+        str(args.token_delay_ms),
+        "--answer-json",
+        answer,
+    )
+    return ServerProcess("fixed_upstream", cmd, f"http://127.0.0.1:{port}").start()
+
+
+if __name__ == "__main__":
+    main()

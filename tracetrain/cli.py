@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         from tracetrain.demo import main as demo
 
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         demo(argv[1:])
         return
     args = _parser().parse_args(argv)
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in vars(args).items() if k not in skip}
     config = load_config(args.config, **_nested(getattr(args, "set", [])), **overrides)
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     if args.command == "serve":
         serve(config, train=args.train)
     elif args.command == "train":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,16 +28,19 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from tracetrain.engines.vllm_server import die_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 AGENT = REPO / "examples" / "agents" / "arithmetic" / "agent.py"
 console = Console()
 
 DEMO_TRAINING = {
     "advantage": "grpo", "policy_loss": "vanilla", "lora": True, "lora_rank": 16, "lora_alpha": 32,
-    "lr": 2e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "async",
+    "lr": 2e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "sync",
     "micro_batch_tokens": 4096, "tis_cap": 2.0,
 }
-"""LoRA keeps a step at about half the cost of full fine-tuning on 2 cores and swaps by adapter load."""
+"""LoRA keeps a step at about half the cost of full fine-tuning and swaps by adapter load. `sync`: on
+2 cores, generation and training compete for the same CPU, so agents wait while a batch trains."""
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:
@@ -151,6 +155,10 @@ def _plot(episodes: list[dict[str, float]], before: dict[str, Any], after: dict[
     fig.savefig(path, dpi=110)
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tracetrain demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     console.rule("tracetrain demo")
     console.print(f"config {config}, logs {log}")
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # so that `finally` stops the gateway and vLLM
     gateway = subprocess.Popen([sys.executable, "-m", "tracetrain.cli", "--config", str(config), "serve", "--train"],
-                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                               stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         _wait_healthy(url, gateway, log)
         console.print(f"[green]gateway + vLLM + trainer up[/green] after {time.monotonic() - started:.0f}s; "

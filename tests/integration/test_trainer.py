@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ from tracetrain.store import leases
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine
 from tracetrain.store.models import AgentSession, Call, Policy, Reward
+from tracetrain.trainer.checkpoint import build_model
+from tracetrain.trainer.data import collate, load_samples
 from tracetrain.trainer.loop import Trainer
+from tracetrain.trainer.step import sequence_logprobs
 
 
 def _add_session(db: Session, sid: str, group: str, reward: float, version: int = 0) -> None:
@@ -111,3 +115,26 @@ def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_pat
             _add_session(db, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
         db.commit()
     assert again.step_once() and again.version == 2
+
+
+def test_trainer_logprobs_match_the_recorded_behaviour_logprobs(gateway: Any, tiny_model_path: Path,
+                                                               tmp_path: Path) -> None:
+    """Same weights, same tokens: the trainer's logprobs equal what the engine recorded, so importance
+    ratios start at 1 (tolerance 1e-4; float32 on both sides)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=gateway.v1("lp-match"), api_key="unused")
+    messages: list[Any] = [{"role": "user", "content": "hello"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0, seed=3)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0, seed=4)
+
+    with Session(gateway.gateway.db) as db:
+        (sample,) = load_samples(db, ["lp-match"])
+    model = build_model(tiny_model_path, TrainConfig()).eval()
+    micro = collate([sample], [0], pad_id=0)
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(model, micro)
+    recorded = micro.behaviour_logprobs[micro.mask > 0]
+    assert int(micro.mask.sum()) == 12
+    assert torch.max(torch.abs(logprobs[micro.mask > 0] - recorded)).item() < 1e-4

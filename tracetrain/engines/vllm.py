@@ -48,12 +48,23 @@ class VLLMEngine:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.model_name = model_name
         self.version = 0
+        self.served_model = model_name
+        """What requests name as `model`: the base model, or the LoRA adapter of the current version."""
         self.skip_special_tokens = skip_special_tokens
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=32),
         )
+
+    def use_adapter(self, adapter: str | None, version: int) -> None:
+        """Serve `adapter` (a LoRA name loaded into vLLM; None for the base model) as `version`.
+
+        Both change in one step with no await in between, so `version` always names the weights that
+        a request sent from now on gets. Requests already sent keep the adapter they named: vLLM binds
+        a request to its adapter on arrival."""
+        self.served_model = adapter or self.model_name
+        self.version = version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         body = self._request_body(prompt_ids, params)
@@ -93,7 +104,7 @@ class VLLMEngine:
 
     def _request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model_name,
+            "model": self.served_model,
             "prompt": prompt_ids,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,

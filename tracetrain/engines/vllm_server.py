@@ -49,7 +49,7 @@ def _port_free(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the server gets SIGTERM if the process that started it dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -82,6 +82,9 @@ class VLLMServer:
         max_model_len: int | None = None,
         kv_cache_gib: int = 2,
         enforce_eager: bool = True,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 3,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | Path | None = None,
@@ -96,6 +99,9 @@ class VLLMServer:
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.enforce_eager = enforce_eager
+        self.enable_lora = enable_lora
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-{self.port}.log"
@@ -118,7 +124,18 @@ class VLLMServer:
             cmd.append("--enforce-eager")
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.enable_lora:
+            cmd += self._lora_args()
         return cmd + self.extra_args
+
+    def _lora_args(self) -> list[str]:
+        """Runtime-loadable adapters (`/v1/load_lora_adapter`). `max_loras` is how many adapters one
+        batch may mix: at least 2, so requests still running on the previous version share batches
+        with the new one. The CPU cache holds as many (vLLM's default); an adapter evicted from it
+        while a request still uses it is reloaded from its path, so keep recent checkpoints on disk.
+        vLLM accepts ranks 1, 8, 16, 32, 64, 128, 256, 320, 512 only."""
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                "--max-loras", str(self.max_loras)]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -142,7 +159,7 @@ class VLLMServer:
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
+                env=self.environment(), start_new_session=True, preexec_fn=die_with_parent,
             )
         try:
             self._wait_healthy()

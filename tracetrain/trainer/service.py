@@ -39,7 +39,7 @@ class TrainerThread:
     def stop(self) -> None:
         self.stop_event.set()
         if self.thread is not None:
-            self.thread.join(timeout=120)
+            self.thread.join(timeout=10)  # a step in progress is abandoned: checkpoints are atomic
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         from tracetrain.trainer.loop import Trainer

@@ -25,11 +25,24 @@ class StepInputs:
     """One scalar per sample (outcome rewards): broadcast over its sampled tokens."""
 
 
-def sequence_logprobs(model: Any, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each target token under `model`, and the logits (for the entropy bonus)."""
-    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, micro.targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, logits
+def sequence_logprobs(model: Any, micro: MicroBatch, *, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each sampled target token under `model` (0 elsewhere), and optionally its entropy.
+
+    The vocabulary projection runs only where the mask is 1: prompts are most of the tokens, and
+    their logits (49k wide for SmolLM2) would be a fifth of the step's compute and most of its memory.
+    """
+    hidden = model.get_decoder()(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+    where = micro.mask > 0
+    logits = model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where]).float()
+    log_p = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.zeros_like(micro.mask, dtype=log_p.dtype)
+    logprobs[where] = log_p.gather(-1, micro.targets[where].unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logprobs, None
+    entropies = torch.zeros_like(logprobs)
+    entropies[where] = -(log_p.exp() * log_p).sum(-1)
+    return logprobs, entropies
 
 
 def rl_advantages(samples: list[Sample], cfg: TrainConfig, baseline: RunningBaseline) -> list[float]:
@@ -69,7 +82,7 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, inputs: StepInputs,
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0}
     for _epoch in range(cfg.ppo_epochs):
         for k, mb in enumerate(micro_batches):
-            logprobs, logits = sequence_logprobs(model, mb)
+            logprobs, entropies = sequence_logprobs(model, mb, entropy=cfg.entropy_coef > 0)
             old_logprobs = old[k] if old is not None else logprobs.detach()
             advantages = torch.tensor([inputs.advantages[i] for i in mb.indices]).unsqueeze(1) * mb.mask
             weights = truncated_is_weights(old_logprobs, mb.behaviour_logprobs, mb.mask, cfg.tis_cap) \
@@ -82,8 +95,8 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, inputs: StepInputs,
                 kl = verl_ops.aggregate(verl_ops.kl_to_reference(logprobs, ref_logprobs, cfg.kl_type), mb.mask, config)
                 loss = loss + cfg.kl_coef * kl
                 totals["kl"] += float(kl)
-            if cfg.entropy_coef > 0:  # a full-vocabulary pass: only when it is trained on
-                entropy = verl_ops.aggregate(verl_ops.entropy_from_logits(logits), mb.mask, config)
+            if entropies is not None:
+                entropy = verl_ops.aggregate(entropies, mb.mask, config)
                 loss = loss - cfg.entropy_coef * entropy
                 totals["entropy"] += float(entropy) / cfg.ppo_epochs
             (loss / cfg.ppo_epochs).backward()

@@ -86,7 +86,3 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, config: ActorConfig) -> 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
     return core_algos.kl_penalty(logprobs, ref_logprobs, kind)  # type: ignore[arg-type]
 
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_p.exp() * log_p).sum(-1)

@@ -1,0 +1,424 @@
+"""Publishing a trained checkpoint to the engine that serves agents, while they keep running.
+
+The trainer writes one directory per version: a complete Hugging Face model for full fine-tuning
+(`config.json`, `*.safetensors`, tokenizer files), or a PEFT adapter for LoRA (`adapter_config.json`,
+`adapter_model.safetensors`, from peft's `save_pretrained`). A `Publisher` makes the engine serve it:
+
+- `VLLMLoRAPublisher`: `POST /v1/load_lora_adapter` under a new name per version, then the engine
+  names that adapter in new requests. Requests already sent keep their adapter, so nothing waits.
+- `VLLMReloadPublisher`: full weights in place: `POST /pause?mode=wait` (in-flight requests finish on
+  the old weights, new ones queue inside vLLM) → `POST /collective_rpc` `reload_weights` with
+  `weights_path` pointing at the checkpoint → `POST /reset_prefix_cache` → `POST /resume`.
+- `InProcessPublisher`: the in-process transformers engine swaps its state dict between requests.
+
+Every publisher checks the checkpoint before touching the engine, and a failed publish raises
+`PublishError` with the previous version still served. This matters most for the reload: vLLM 0.32 moves
+every layer to the meta device before reading the files, so a reload that fails halfway (a missing or
+truncated file) leaves an engine that dies on its next request. The reload publisher therefore
+validates the safetensors headers against the served model first, and if vLLM still fails it reloads
+the last good weights before resuming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import httpx
+
+if TYPE_CHECKING:
+    import torch
+
+    from tracetrain.engines.transformers_engine import TransformersEngine
+    from tracetrain.engines.vllm import VLLMEngine
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One trained version on disk: a full model directory or a PEFT LoRA adapter directory."""
+
+    version: int
+    path: Path
+    kind: Literal["full", "lora"]
+
+
+class PublishError(Exception):
+    """A checkpoint could not be published; the engine still serves the version it served before."""
+
+
+class Publisher(Protocol):
+    async def publish(self, checkpoint: Checkpoint) -> None: ...
+
+
+# --- checkpoint checks (no torch needed) ---------------------------------------------------------------
+
+TensorIndex = dict[str, tuple[int, ...]]
+"""Tensor name -> shape, read from safetensors headers."""
+
+
+def safetensors_shapes(file: Path) -> TensorIndex:
+    """Names and shapes from a safetensors header, after checking the file holds all the bytes the
+    header promises (a checkpoint still being written, or cut short, fails here, not inside vLLM)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise PublishError(f"{file} is not a safetensors file (too short)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise PublishError(f"{file} is truncated or not a safetensors file")
+        try:
+            header: dict[str, Any] = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise PublishError(f"{file} has an unreadable safetensors header") from exc
+    header.pop("__metadata__", None)
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if 8 + header_len + end != size:
+        raise PublishError(f"{file} is truncated: {size} bytes, the header describes {8 + header_len + end}")
+    return {name: tuple(t["shape"]) for name, t in header.items()}
+
+
+def model_shapes(model_dir: Path) -> TensorIndex:
+    """Every tensor of a model directory, over all its safetensors shards."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise PublishError(f"no *.safetensors files in {model_dir}")
+    index: TensorIndex = {}
+    for file in files:
+        index.update(safetensors_shapes(file))
+    return index
+
+
+def check_full_checkpoint(path: Path, reference: TensorIndex) -> None:
+    """A full checkpoint must hold exactly the served model's tensors, with the same shapes: vLLM would
+    keep the old values of missing tensors without failing, serving a mix of two versions."""
+    if not path.is_dir():
+        raise PublishError(f"checkpoint directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise PublishError(f"{path} has no config.json: not a full model checkpoint")
+    shapes = model_shapes(path)
+    missing = sorted(reference.keys() - shapes.keys())
+    extra = sorted(shapes.keys() - reference.keys())
+    wrong = sorted(k for k in reference.keys() & shapes.keys() if reference[k] != shapes[k])
+    if missing or extra or wrong:
+        raise PublishError(
+            f"{path} does not match the served model: missing {missing[:3]}, unexpected {extra[:3]}, "
+            f"wrong shapes {[(k, shapes[k], reference[k]) for k in wrong[:3]]}"
+        )
+
+
+def check_lora_checkpoint(path: Path) -> dict[str, Any]:
+    """A PEFT LoRA adapter directory; returns its adapter config."""
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.exists():
+        raise PublishError(f"{path} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
+    try:
+        config: dict[str, Any] = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise PublishError(f"{config_file} is not valid JSON") from exc
+    if config.get("peft_type") != "LORA":
+        raise PublishError(f"{path} is a {config.get('peft_type')!r} adapter, not LoRA")
+    weights = [path / name for name in ADAPTER_WEIGHTS if (path / name).exists()]
+    if not weights:
+        raise PublishError(f"{path} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+    if weights[0].suffix == ".safetensors":
+        safetensors_shapes(weights[0])
+    return config
+
+
+def _expect_kind(checkpoint: Checkpoint, kind: str, publisher: str) -> None:
+    if checkpoint.kind != kind:
+        raise PublishError(f"{publisher} publishes {kind} checkpoints, got a {checkpoint.kind} one "
+                           f"(version {checkpoint.version} at {checkpoint.path})")
+
+
+# --- vLLM ------------------------------------------------------------------------------------------
+
+
+def _control_client(engine: VLLMEngine, timeout: float) -> httpx.AsyncClient:
+    """A client for vLLM's control endpoints that opens a new connection per call: after a failed
+    `/collective_rpc` (a 500), vLLM 0.32's server drops the keep-alive connection, and the next call
+    sent on it (the restore, `/resume`) would fail without reaching the server."""
+    return httpx.AsyncClient(
+        base_url=engine.base_url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)
+    )
+
+
+def _vllm_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        message = body.get("error", body)
+        if isinstance(message, dict):
+            message = message.get("message", message)
+        return str(message)[:500]
+    except ValueError:
+        return response.text[:500]
+
+
+class VLLMLoRAPublisher:
+    """Publishes LoRA adapters to a vLLM server started with `--enable-lora` (and
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), as `{prefix}-v{version}`.
+
+    After the switch, adapters older than the previous one are unloaded. Unloading in vLLM 0.32 only
+    forgets the name in the API server: requests already running hold their adapter and finish (the
+    engine reloads it from its path if its LRU cache evicted it, so keep the last few checkpoint
+    directories on disk), and the engine's cache bounds memory on its own.
+    """
+
+    def __init__(self, engine: VLLMEngine, *, prefix: str = "policy", timeout: float = 120.0) -> None:
+        self.engine = engine
+        self.prefix = prefix
+        self.timeout = timeout
+        self.loaded: list[str] = []
+        """Adapter names this publisher loaded and has not unloaded, oldest first."""
+        self._lock = asyncio.Lock()
+
+    def adapter_name(self, version: int) -> str:
+        return f"{self.prefix}-v{version}"
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        _expect_kind(checkpoint, "lora", type(self).__name__)
+        check_lora_checkpoint(checkpoint.path)
+        name = self.adapter_name(checkpoint.version)
+        async with self._lock, _control_client(self.engine, self.timeout) as client:
+            await self._load(client, name, checkpoint.path)
+            self.engine.use_adapter(name, checkpoint.version)
+            if name in self.loaded:
+                self.loaded.remove(name)
+            self.loaded.append(name)
+            await self._unload_all_but(client, keep=2)
+        log.info("serving LoRA %s (version %d) from %s", name, checkpoint.version, checkpoint.path)
+
+    async def _load(self, client: httpx.AsyncClient, name: str, path: Path) -> None:
+        # load_inplace: a trainer that restarts and publishes the same version again replaces it
+        # instead of failing on "already loaded".
+        body = {"lora_name": name, "lora_path": str(path.resolve()), "load_inplace": True}
+        try:
+            response = await client.post("/v1/load_lora_adapter", json=body)
+        except httpx.HTTPError as exc:
+            raise PublishError(f"loading LoRA {name} from {path}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise PublishError(
+                f"vLLM refused LoRA {name} from {path} ({response.status_code}): {_vllm_message(response)}"
+            )
+
+    async def _unload_all_but(self, client: httpx.AsyncClient, keep: int) -> None:
+        """Best effort: the new version is already served, so a failed unload is only logged."""
+        while len(self.loaded) > keep:
+            name = self.loaded.pop(0)
+            try:
+                response = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+                if response.status_code not in (200, 404):
+                    log.warning("unloading LoRA %s failed (%d): %s", name, response.status_code,
+                                _vllm_message(response))
+            except httpx.HTTPError as exc:
+                log.warning("unloading LoRA %s failed: %s", name, exc)
+
+
+PauseMode = Literal["wait", "keep"]
+
+
+class VLLMReloadPublisher:
+    """Publishes full checkpoints by reloading a dev-mode vLLM server's weights in place
+    (`VLLM_SERVER_DEV_MODE=1`, which `VLLMServer` sets).
+
+    `reload_weights` takes `weights_path` in vLLM 0.32, so vLLM reads the checkpoint directory itself;
+    nothing is copied into `server_model_dir`, which serves as the reference the checkpoint must match
+    and as the weights to fall back to if a reload fails halfway.
+
+    `pause_mode="wait"` (default) lets in-flight requests finish on the old weights before the
+    reload: every generation comes from one version, but the swap waits for the longest running
+    request. `"keep"` freezes them and continues them on the new weights after `/resume` (faster swap,
+    mixed-version generations). vLLM's default, `"abort"`, ends them early with finish_reason `abort`,
+    so it is not offered.
+    """
+
+    def __init__(
+        self,
+        engine: VLLMEngine,
+        server_model_dir: str | Path,
+        *,
+        pause_mode: PauseMode = "wait",
+        drain_timeout: float = 600.0,
+        reload_timeout: float = 300.0,
+    ) -> None:
+        self.engine = engine
+        self.server_model_dir = Path(server_model_dir)
+        self.pause_mode = pause_mode
+        self.drain_timeout = drain_timeout
+        self.reload_timeout = reload_timeout
+        self.current_weights = self.server_model_dir
+        """The directory vLLM's weights last came from: where to reload from if a reload fails."""
+        self._reference: TensorIndex | None = None
+        self._lock = asyncio.Lock()
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        _expect_kind(checkpoint, "full", type(self).__name__)
+        if self._reference is None:
+            self._reference = model_shapes(self.server_model_dir)
+        check_full_checkpoint(checkpoint.path, self._reference)
+        async with self._lock, _control_client(self.engine, 60.0) as client:
+            await self._pause(client)
+            try:
+                await self._reload_or_restore(client, checkpoint)
+                self.engine.use_adapter(None, checkpoint.version)  # the new weights are live from here
+                await self._reset_prefix_cache(client)
+            finally:
+                await self._resume(client)
+        log.info("serving full checkpoint version %d from %s", checkpoint.version, checkpoint.path)
+
+    async def _pause(self, client: httpx.AsyncClient) -> None:
+        """Returns once vLLM has stopped scheduling: with "wait", after in-flight requests finished."""
+        try:
+            params = {"mode": self.pause_mode}
+            response = await client.post("/pause", params=params, timeout=self.drain_timeout)
+        except httpx.HTTPError as exc:
+            await self._resume(client)  # a pause that timed out is still pending inside vLLM
+            raise PublishError(f"pausing vLLM failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            await self._resume(client)
+            raise PublishError(f"pausing vLLM failed ({response.status_code}): {_vllm_message(response)}")
+
+    async def _reload_or_restore(self, client: httpx.AsyncClient, checkpoint: Checkpoint) -> None:
+        try:
+            await self._reload(client, checkpoint.path)
+        except PublishError as exc:
+            log.error("reload of version %d failed, restoring %s: %s", checkpoint.version,
+                      self.current_weights, exc)
+            try:
+                await self._reload(client, self.current_weights)
+            except PublishError as restore_exc:
+                raise PublishError(f"{exc}; restoring the previous weights also failed, vLLM may be "
+                                   f"unusable: {restore_exc}") from exc
+            raise
+        self.current_weights = checkpoint.path
+
+    async def _reload(self, client: httpx.AsyncClient, weights: Path) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights.resolve())},
+                "timeout": self.reload_timeout}
+        try:
+            response = await client.post("/collective_rpc", json=body, timeout=self.reload_timeout + 10)
+        except httpx.HTTPError as exc:
+            raise PublishError(f"reloading weights from {weights}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:
+            raise PublishError("vLLM has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1")
+        if response.status_code != 200:
+            raise PublishError(
+                f"vLLM failed to reload weights from {weights} ({response.status_code}): "
+                f"{_vllm_message(response)}"
+            )
+
+    async def _reset_prefix_cache(self, client: httpx.AsyncClient) -> None:
+        """Cached prefixes hold keys and values of the old weights; they must not serve new requests."""
+        for _ in range(5):
+            try:
+                response = await _post_retrying(client, "/reset_prefix_cache")
+                if response.status_code == 200 and response.json().get("success"):
+                    return
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("resetting vLLM's prefix cache: %s", exc)
+            await asyncio.sleep(0.2)  # blocks still held by a request on its way out
+        log.warning("vLLM did not reset its prefix cache after the reload; cached prefixes may be stale")
+
+    async def _resume(self, client: httpx.AsyncClient) -> None:
+        try:
+            response = await _post_retrying(client, "/resume")
+        except httpx.HTTPError as exc:
+            raise PublishError(f"resuming vLLM failed, it stays paused: {exc}") from exc
+        if response.status_code != 200:
+            raise PublishError(f"resuming vLLM failed ({response.status_code}): {_vllm_message(response)}")
+
+
+async def _post_retrying(client: httpx.AsyncClient, path: str, attempts: int = 3) -> httpx.Response:
+    """POST an idempotent control call, again when the connection broke (resuming must not be lost)."""
+    for attempt in range(attempts):
+        try:
+            return await client.post(path, timeout=60.0)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+# --- in-process ------------------------------------------------------------------------------------
+
+
+class InProcessPublisher:
+    """Publishes to the in-process `TransformersEngine`: loads the checkpoint as a state dict off the
+    event loop, then `swap_weights` applies it between two requests, so requests in flight finish on the
+    old version and no request fails.
+
+    LoRA adapters are deltas on the base model, so they are merged into a fresh copy of the base
+    weights (`base_model_dir`, by default the directory the engine was loaded from), never into
+    whatever version is being served.
+    """
+
+    def __init__(self, engine: TransformersEngine, *, base_model_dir: str | Path | None = None) -> None:
+        self.engine = engine
+        base = base_model_dir or engine.model.name_or_path
+        if not base:
+            raise ValueError("the engine's model has no directory: pass base_model_dir")
+        self.base_model_dir = Path(base)
+        self._lock = asyncio.Lock()
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        async with self._lock:
+            state_dict = await asyncio.to_thread(self.load_state_dict, checkpoint)
+            try:
+                await self.engine.swap_weights(state_dict, checkpoint.version)
+            except (ValueError, RuntimeError) as exc:
+                raise PublishError(f"swapping in version {checkpoint.version} failed: {exc}") from exc
+        log.info("serving version %d (%s) from %s", checkpoint.version, checkpoint.kind, checkpoint.path)
+
+    def load_state_dict(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+        """The full state dict the engine should serve for `checkpoint` (runs in a worker thread)."""
+        try:
+            if checkpoint.kind == "full":
+                return self._load_full(checkpoint.path)
+            return self._merge_lora(checkpoint.path)
+        except PublishError:
+            raise
+        except Exception as exc:  # torch, safetensors and peft raise many kinds
+            raise PublishError(f"loading version {checkpoint.version} from {checkpoint.path}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _load_full(self, path: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        reference = {k: tuple(v.shape) for k, v in self.engine.model.state_dict().items()}
+        shapes = model_shapes(path) if path.is_dir() else {}
+        if not shapes:
+            raise PublishError(f"checkpoint directory {path} does not exist")
+        _check_known(shapes, reference, path)
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        return state
+
+    def _merge_lora(self, path: Path) -> dict[str, torch.Tensor]:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        check_lora_checkpoint(path)
+        dtype = next(self.engine.model.parameters()).dtype
+        base = AutoModelForCausalLM.from_pretrained(str(self.base_model_dir), dtype=dtype)
+        merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+        return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def _check_known(shapes: TensorIndex, reference: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    unknown = sorted(k for k in shapes if k not in reference or reference[k] != shapes[k])
+    if unknown:
+        raise PublishError(f"{path} does not fit the served model: unknown or wrong-shaped {unknown[:3]}")

@@ -49,8 +49,9 @@ class TrainConfig(BaseModel):
     """Finished sessions per training step."""
     min_sessions: int = 8
     """Fewer ready sessions than this: wait instead of stepping."""
-    micro_batch_tokens: int = 4096
-    """Padded tokens per forward/backward pass."""
+    micro_batch_tokens: int = 2048
+    """Padded tokens per forward/backward pass: bounds the step's activation memory (SmolLM2-135M:
+    about 1 GB per 1k tokens in float32)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -37,7 +37,7 @@ console = Console()
 DEMO_TRAINING = {
     "advantage": "grpo", "policy_loss": "vanilla", "lora": True, "lora_rank": 16, "lora_alpha": 32,
     "lr": 2e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "sync",
-    "micro_batch_tokens": 4096, "tis_cap": 2.0,
+    "micro_batch_tokens": 1024, "tis_cap": 2.0,
 }
 """LoRA keeps a step at about half the cost of full fine-tuning and swaps by adapter load. `sync`: on
 2 cores, generation and training compete for the same CPU, so agents wait while a batch trains."""

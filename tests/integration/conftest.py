@@ -14,24 +14,32 @@ class RunningVLLM:
     url: str
     model_name: str
     max_model_len: int
+    model_dir: Path
+    """The directory the server loaded its weights from (weight-reload tests restore it)."""
 
 
 VLLM_MAX_MODEL_LEN = 4096
+VLLM_MAX_LORA_RANK = 16
 
 
 @pytest.fixture(scope="session")
 def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
     """A real vLLM server (CPU) on SmolLM2-135M-Instruct, started once per session (about 80 s).
 
+    LoRA hot-loading and the dev endpoints (pause, reload) are on, so the publish tests share this one
+    server with the engine and gateway tests; the publish tests put the base weights back when done.
     Set TRACETRAIN_TEST_VLLM_URL to reuse a server you already started (same model, max-model-len
-    4096) and skip the start-up while iterating.
+    4096, `--enable-lora --max-lora-rank 16`, `VLLM_SERVER_DEV_MODE=1`) and skip the start-up while
+    iterating.
     """
     from tracetrain.engines.vllm_server import VLLMServer, find_vllm_python
 
     existing = os.environ.get("TRACETRAIN_TEST_VLLM_URL")
     if existing:
         models = httpx.get(f"{existing.rstrip('/')}/v1/models", timeout=10).json()["data"]
-        yield RunningVLLM(existing.rstrip("/"), models[0]["id"], models[0].get("max_model_len", 0))
+        first = next(m for m in models if m.get("parent") is None)  # not a LoRA adapter loaded earlier
+        url = existing.rstrip("/")
+        yield RunningVLLM(url, first["id"], first.get("max_model_len", 0), Path(first["root"]))
         return
     if find_vllm_python() is None:
         pytest.skip("vLLM is not installed: no .venv-vllm and no TRACETRAIN_VLLM_PYTHON")
@@ -40,7 +48,9 @@ def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
         served_model_name="smollm2",
         max_model_len=VLLM_MAX_MODEL_LEN,
         kv_cache_gib=2,
+        enable_lora=True,
+        max_lora_rank=VLLM_MAX_LORA_RANK,
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
     with server:
-        yield RunningVLLM(server.url, server.model_name, VLLM_MAX_MODEL_LEN)
+        yield RunningVLLM(server.url, server.model_name, VLLM_MAX_MODEL_LEN, smollm2_path)

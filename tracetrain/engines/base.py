@@ -53,6 +53,8 @@ class TokenDelta:
     top_logprobs: list[dict[str, float]] | None = None
     """One dict (token text -> logprob) per token in `token_ids`, when asked for."""
     finish_reason: str | None = None
+    version: int | None = None
+    """The policy version whose weights produced these tokens, when the engine knows it exactly."""
 
 
 class Engine(Protocol):

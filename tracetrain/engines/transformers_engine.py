@@ -169,6 +169,7 @@ class TransformersEngine:
         hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
         detok = IncrementalText(self.tokenizer)
         sent = 0  # chars of detok.text already emitted
+        version = self.version  # swaps run on this same worker thread, so not during this loop
 
         input_ids = torch.tensor([prompt], device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
@@ -194,13 +195,13 @@ class TransformersEngine:
                 text += detok.flush()
             end = len(text) if finish is not None else max(sent, len(text) - hold)
             top = [self._top(logprobs, params.top_logprobs)] if params.top_logprobs > 0 else None
-            emit(TokenDelta([token], [float(logprobs[token])], text[sent:end], top, finish))
+            emit(TokenDelta([token], [float(logprobs[token])], text[sent:end], top, finish, version))
             sent = end
             if finish is None:
                 next_ids = torch.tensor([[token]], device=self.device)
                 out = self.model(input_ids=next_ids, past_key_values=out.past_key_values, use_cache=True)
         if step == 0:
-            emit(TokenDelta([], [], "", [] if params.top_logprobs > 0 else None, finish))
+            emit(TokenDelta([], [], "", [] if params.top_logprobs > 0 else None, finish, version))
 
     def _top(self, logprobs: torch.Tensor, k: int) -> dict[str, float]:
         values, ids = torch.topk(logprobs, k)

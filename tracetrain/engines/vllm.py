@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 
 from .base import EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
 
@@ -54,7 +55,7 @@ class VLLMEngine:
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=32),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
     def use_adapter(self, adapter: str | None, version: int) -> None:
@@ -68,6 +69,7 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         body = self._request_body(prompt_ids, params)
+        version = self.version  # set together with the adapter named in `body`, so this is exact
         final: TokenDelta | None = None
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as response:
@@ -77,6 +79,7 @@ class VLLMEngine:
                     delta = self._parse_chunk(chunk, prompt_ids, params)
                     if delta is None:
                         continue
+                    delta.version = version
                     if delta.finish_reason is not None:
                         final = delta  # read on to [DONE] first, so the connection goes back to the pool
                     elif delta.token_ids or delta.text:
@@ -161,10 +164,14 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            # Read the (empty) rest of the body: a response left unread closes its connection
+            # instead of returning it to the pool, which costs a TCP handshake per call.
+            async for _ in response.aiter_bytes():
+                pass
             return
         try:
-            yield json.loads(payload)
-        except json.JSONDecodeError as exc:
+            yield orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
             raise EngineError(f"vLLM sent an unreadable stream line: {payload[:200]!r}") from exc
 
 

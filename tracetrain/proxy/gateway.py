@@ -82,7 +82,16 @@ class Gateway:
             if checkpoint.version <= self.engine.version:
                 raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
                                f"{self.engine.version}.", code="stale_version")
-            await self.publisher.publish(checkpoint)
+            # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
+            # run on the new weights under the old label: hold new generations at the gate instead.
+            pauses = getattr(self.publisher, "pauses_engine", False)
+            if pauses:
+                self.generation_open.clear()
+            try:
+                await self.publisher.publish(checkpoint)
+            finally:
+                if pauses:
+                    self.generation_open.set()
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:

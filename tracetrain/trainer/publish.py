@@ -244,6 +244,9 @@ class VLLMReloadPublisher:
     so it is not offered.
     """
 
+    pauses_engine = True
+    """Tells the gateway to hold new generations while this publisher swaps the weights."""
+
     def __init__(
         self,
         engine: VLLMEngine,

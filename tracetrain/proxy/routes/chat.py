@@ -44,6 +44,7 @@ class Choice:
     text: str = ""
     emitted: int = 0
     finish_reason: str | None = None
+    version: int | None = None
 
     def visible_text(self, tools_enabled: bool) -> str:
         """Text safe to stream now: with tools on, hold back anything that may open a tool call."""
@@ -129,6 +130,8 @@ async def _generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[
             choice.logprobs += delta.logprobs
             choice.top_logprobs += delta.top_logprobs or []
             choice.text += delta.text
+            if delta.version is not None and choice.version is None:
+                choice.version = turn.version = delta.version
             if delta.finish_reason:
                 choice.finish_reason = delta.finish_reason
             if on_delta is not None:
@@ -162,7 +165,8 @@ async def _record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> Non
         calls.append(Call(
             id=f"{turn.completion_id}-{choice.index}", completion_id=turn.completion_id,
             choice_index=choice.index, session_id=turn.session_id, group_id=turn.group_id, seq=0,
-            parent_id=plan.parent_id, link=plan.link, model=turn.request.model, policy_version=turn.version,
+            parent_id=plan.parent_id, link=plan.link, model=turn.request.model,
+            policy_version=turn.version if choice.version is None else choice.version,
             finish_reason=_finish_reason(choice, reply), prefix_len=plan.prefix_len,
             prompt_tokens=len(plan.prompt_ids), completion_tokens=len(choice.token_ids),
             latency_ms=latency_ms, owner=turn.owner, state_hash=state,

@@ -158,17 +158,19 @@ class VLLMEngine:
 
 
 async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an OpenAI-style server-sent event stream, up to `data: [DONE]`."""
+    """The JSON payloads of an OpenAI-style server-sent event stream, up to `data: [DONE]`.
+
+    Lines after [DONE] (there are none, but the body must end) are still read: a response left
+    unread closes its connection instead of returning it to the pool, a TCP handshake per call.
+    """
+    done = False
     async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+        if done or not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
-            # Read the (empty) rest of the body: a response left unread closes its connection
-            # instead of returning it to the pool, which costs a TCP handshake per call.
-            async for _ in response.aiter_bytes():
-                pass
-            return
+            done = True
+            continue
         try:
             yield orjson.loads(payload)
         except orjson.JSONDecodeError as exc:

@@ -48,7 +48,8 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     if url is None:
         server = VLLMServer(
             model_dir, port=config.vllm_port, served_model_name=config.served_model_name,
-            python=config.vllm_python, extra_args=config.vllm_args, enable_lora=config.train.lora,
+            python=config.vllm_python, extra_args=config.vllm_args,
+            enable_lora=config.train.lora and config.train.publish != "reload",
             max_lora_rank=config.train.lora_rank,
         )
         stack.enter_context(server)

@@ -83,7 +83,8 @@ class TrainConfig(BaseModel):
     max_steps: int | None = None
     """Stop after this many steps (None: run until stopped)."""
     publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
-    """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap."""
+    """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap.
+    `reload` with `lora: true` merges each adapter into the base weights and serves those."""
     seed: int = 0
     """Seed for the trainer's randomness."""
 

@@ -138,3 +138,30 @@ def test_trainer_logprobs_match_the_recorded_behaviour_logprobs(gateway: Any, ti
     recorded = micro.behaviour_logprobs[micro.mask > 0]
     assert int(micro.mask.sum()) == 12
     assert torch.max(torch.abs(logprobs[micro.mask > 0] - recorded)).item() < 1e-4
+
+
+def test_lora_checkpoints_can_carry_merged_full_weights(tiny_model_path: Path, tmp_path: Path) -> None:
+    """LoRA training served as full weights: the merged model computes what base + adapter computes."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    with Session(make_engine(db_url)) as db:
+        for i in range(4):
+            _add_session(db, f"m{i}", f"g{i // 2}", float(i % 2))
+        db.commit()
+    published: list[tuple[int, Path, str]] = []
+    cfg = TrainConfig(lr=1e-2, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt", lora=True,
+                      lora_rank=8, publish="reload")
+    trainer = Trainer(cfg, make_engine(db_url), tiny_model_path, publish=lambda v, p, k: published.append((v, p, k)))
+    assert trainer.step_once()
+    ((version, path, kind),) = published
+    assert (version, kind, path.name) == (1, "full", "merged")
+    with safe_open(str(path / "model.safetensors"), "pt") as merged, \
+            safe_open(str(tiny_model_path / "model.safetensors"), "pt") as base:
+        assert set(merged.keys()) == set(base.keys())
+    ids = torch.tensor([[1, 4093, 198, 6004, 2, 28, 29]])
+    with torch.no_grad():
+        expected = trainer.model(input_ids=ids).logits
+        actual = AutoModelForCausalLM.from_pretrained(str(path))(input_ids=ids).logits
+    assert torch.allclose(expected, actual, atol=1e-4)

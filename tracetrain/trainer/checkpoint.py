@@ -38,18 +38,41 @@ def build_model(base_dir: Path, cfg: TrainConfig, resume_from: Path | None = Non
     return get_peft_model(base, lora)
 
 
-def save(root: Path, version: int, model: Any, tokenizer_dir: Path, state: dict[str, Any], keep: int) -> Path:
+MERGED_DIR = "merged"
+"""Inside a LoRA checkpoint: the adapter merged into the base weights, a complete model for engines
+that serve full weights faster than adapters (vLLM on CPU: about twice as fast per token)."""
+
+
+def save(root: Path, version: int, model: Any, tokenizer_dir: Path, state: dict[str, Any], keep: int,
+         *, merged: bool = False) -> Path:
     """Write version `version` to a temporary directory, then rename it into place."""
     target = version_dir(root, version)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(tmp)
+    if merged:
+        _save_merged(model, tmp / MERGED_DIR)
+        tokenizer.save_pretrained(tmp / MERGED_DIR)
     torch.save(state, tmp / STATE_FILE)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     _prune(root, keep)
     return target
+
+
+def _save_merged(model: Any, path: Path) -> None:
+    model.merge_adapter()
+    try:
+        base = model.get_base_model()
+        weights = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
+        clean = {k.replace(".base_layer.", "."): v.detach().clone() for k, v in weights.items()}
+        if getattr(base.config, "tie_word_embeddings", False):
+            clean.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
+        base.save_pretrained(path, state_dict=clean, safe_serialization=True)
+    finally:
+        model.unmerge_adapter()
 
 
 def load_state(path: Path) -> dict[str, Any]:

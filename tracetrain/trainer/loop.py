@@ -141,11 +141,16 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "baseline": self.baseline.state_dict(),
                  "counts": dict(self.counts), "version": self.version}
         return checkpoint.save(self.cfg.checkpoint_dir, self.version, self.model, self.base_dir, state,
-                               self.cfg.keep_checkpoints)
+                               self.cfg.keep_checkpoints, merged=self.serves_merged)
+
+    @property
+    def serves_merged(self) -> bool:
+        """LoRA training published as full weights (train.publish: reload)."""
+        return self.cfg.lora and self.cfg.publish == "reload"
 
     @property
     def kind(self) -> str:
-        return "lora" if self.cfg.lora else "full"
+        return "lora" if self.cfg.lora and not self.serves_merged else "full"
 
     def _record(self, path: Path, figures: dict[str, Any], samples: list[Sample]) -> None:
         with Session(self.db) as s:
@@ -161,7 +166,7 @@ class Trainer:
         started = time.perf_counter()
         error = None
         try:
-            self.publish(self.version, path, self.kind)
+            self.publish(self.version, path / checkpoint.MERGED_DIR if self.serves_merged else path, self.kind)
         except Exception as exc:  # the engine keeps serving the old version; say so and go on
             error = f"{type(exc).__name__}: {exc}"
             self.counts["publish_failures"] += 1

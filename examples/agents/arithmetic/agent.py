@@ -53,7 +53,7 @@ def score(reply: str, answer: int) -> float:
 
 async def attempt(client: AsyncOpenAI, model: str, question: str, temperature: float) -> tuple[str, int]:
     raw = await client.chat.completions.with_raw_response.create(
-        model=model, messages=messages(question), max_tokens=12, temperature=temperature)  # type: ignore[arg-type]
+        model=model, messages=messages(question), max_tokens=8, temperature=temperature)  # type: ignore[arg-type]
     reply = raw.parse()
     return reply.choices[0].message.content or "", int(raw.headers.get("x-policy-version", "0"))
 

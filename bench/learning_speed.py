@@ -442,11 +442,12 @@ def _plot(args: argparse.Namespace, arms: list[ArmResult], target: float | None,
     fig, ax = plt.subplots(figsize=(9, 5))
     for arm, color in zip(arms, ("tab:green", "tab:blue"), strict=False):
         ax.plot([p.t / 60 for p in arm.points], [p.reward for p in arm.points], marker="o", color=color,
-                label=f"{arm.name} (up after {arm.startup_s:.0f} s, {arm.steps} steps)")
+                drawstyle="steps-post", label=f"{arm.name} (up after {arm.startup_s:.0f} s, {arm.steps} steps)")
         ax.axvline(arm.startup_s / 60, color=color, alpha=0.25, linestyle=":")
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", label=f"TRL final eval reward {target:.3f}")
-    ax.set_xlabel("wall-clock minutes since the arm started (start-up and evaluations included)")
+    ax.axvline(args.minutes, color="black", alpha=0.4, linestyle="-.", label=f"budget {args.minutes:g} min")
+    ax.set_xlabel("wall-clock minutes since the arm started (start-up and evaluations included; dotted: up)")
     ax.set_ylabel(f"held-out eval reward ({args.eval_size} sums, greedy)")
     ax.set_title("SmolLM2-135M-Instruct learning arithmetic on this CPU: tracetrain vs TRL GRPOTrainer")
     ax.legend(loc="lower right")

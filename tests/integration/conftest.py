@@ -8,6 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.recording import RecordingEngine
+from tests.support.servers import RunningGateway, start_gateway
+
 
 @dataclass
 class RunningVLLM:
@@ -54,3 +57,14 @@ def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     )
     with server:
         yield RunningVLLM(server.url, server.model_name, VLLM_MAX_MODEL_LEN, smollm2_path)
+
+
+@pytest.fixture
+def vllm_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    """A real gateway over HTTP in front of the shared vLLM server, recording what the engine sees."""
+    from tracetrain.engines.vllm import VLLMEngine
+
+    engine = RecordingEngine(VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120))
+    running = start_gateway(engine, smollm2_path, f"sqlite:///{tmp_path / 'vllm.db'}")
+    yield running
+    running.stop()

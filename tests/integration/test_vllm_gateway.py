@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,19 +9,9 @@ import pytest
 from openai import OpenAI
 
 from tests.support.recording import RecordingEngine
-from tests.support.servers import RunningGateway, start_gateway
+from tests.support.servers import RunningGateway
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture
-def vllm_gateway(vllm_server: Any, smollm2_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
-    from tracetrain.engines.vllm import VLLMEngine
-
-    engine = RecordingEngine(VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120))
-    running = start_gateway(engine, smollm2_path, f"sqlite:///{tmp_path / 'vllm.db'}")
-    yield running
-    running.stop()
 
 
 def _segments(gw: RunningGateway, session: str) -> list[dict[str, Any]]:

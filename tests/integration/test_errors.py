@@ -142,6 +142,36 @@ def test_wrong_types_are_400(rec: Recorded, change: dict[str, Any], param: str) 
     rec.assert_intact()
 
 
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"tool_choice": "required"}, "invalid_tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "invalid_tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "invalid_tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "invalid_tools"),
+        ({"response_format": {"type": "yaml"}}, "invalid_response_format"),
+        ({"response_format": {"type": "json_schema"}}, "invalid_response_format"),
+    ],
+)
+def test_bad_tool_choice_and_response_format_are_400(rec: Recorded, change: dict[str, Any], code: str) -> None:
+    _assert_error(httpx.post(rec.chat_url, json=_chat(**change), timeout=30), 400, code)
+    rec.assert_intact()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("change", [{"tools": TOOLS, "tool_choice": "required"},
+                                    {"response_format": {"type": "json_object"}}])
+def test_constraints_the_engine_cannot_enforce_are_refused(rec: Recorded, change: dict[str, Any],
+                                                           stream: bool) -> None:
+    """The in-process engine has no constrained decoding: unconstrained text would break the promise."""
+    response = httpx.post(rec.chat_url, json=_chat(stream=stream, **change), timeout=30)
+    _assert_error(response, 400, "unsupported_parameter")
+    rec.assert_intact()
+
+
 def test_missing_messages_is_400(rec: Recorded) -> None:
     response = httpx.post(rec.chat_url, json={"model": MODEL}, timeout=30)
     error = _assert_error(response, 400, "invalid_value")

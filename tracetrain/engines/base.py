@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineError(Exception):
@@ -41,6 +41,9 @@ class SamplingParams:
     top_logprobs: int = 0
     """How many alternatives per position the client asked for; the sampled token's logprob is
     always returned regardless."""
+    structured_output: dict[str, Any] | None = None
+    """A decoding constraint in vLLM's `structured_outputs` shape (`{"json": schema}`,
+    `{"json_object": true}`); engines that cannot enforce it must refuse with a 400."""
 
 
 @dataclass

@@ -81,6 +81,10 @@ class TransformersEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         if self._closed:
             raise EngineUnavailable("engine is closed")
+        if params.structured_output is not None:
+            raise EngineError("tool_choice 'required'/named and response_format need constrained decoding, "
+                              "which the in-process transformers engine does not do; use the vllm engine",
+                              status=400, code="unsupported_parameter")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         cancel = threading.Event()

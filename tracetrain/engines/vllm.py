@@ -121,6 +121,8 @@ class VLLMEngine:
             body["stop"] = params.stop
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.structured_output is not None:
+            body["structured_outputs"] = params.structured_output
         return body
 
     def _parse_chunk(

@@ -41,6 +41,8 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
 

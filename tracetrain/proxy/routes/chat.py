@@ -22,6 +22,7 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
+from tracetrain.proxy.constraints import TOOL_CALL_SUFFIX, Constraint, plan_constraint
 from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import ChatCompletionRequest
@@ -45,9 +46,13 @@ class Choice:
     emitted: int = 0
     finish_reason: str | None = None
     version: int | None = None
+    forced_prefix: str = ""
+    """The tool-call opener put in the prompt for a forced call: the sampled text continues it."""
 
     def visible_text(self, tools_enabled: bool) -> str:
         """Text safe to stream now: with tools on, hold back anything that may open a tool call."""
+        if self.forced_prefix:
+            return ""
         if not tools_enabled:
             return self.text
         start = self.text.find(TOOL_CALL_OPEN)
@@ -79,7 +84,8 @@ class Turn:
     choices: list[Choice]
 
 
-def _sampling(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def _sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: Constraint | None,
+              ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
         max_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
@@ -88,6 +94,7 @@ def _sampling(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingP
         stop=stop,
         seed=body.seed,
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        structured_output=constraint.structured_output if constraint else None,
     )
 
 
@@ -98,6 +105,7 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     messages = [canonical_message(m.model_dump(exclude_none=True)) for m in body.messages]
     tools = body.tools or None
+    constraint = plan_constraint(tools=tools, tool_choice=body.tool_choice, response_format=body.response_format)
     session_id = binding.session_id or completion_id
     stored = await gw.session_info(session_id) if binding.session_id else None
     if stored is not None and not (admin or stored.owner == owner):
@@ -110,11 +118,14 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
                        session_has_calls=stored is not None)
     if plan.parent_id is None and stored is not None:
         plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
+    forced = constraint.forced_prefix if constraint else ""
+    if forced:
+        plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
     return Turn(
         completion_id=completion_id, session_id=session_id, group_id=group_id, new_session=stored is None,
         owner=stored.owner if stored else owner, messages=messages, tools=tools, plan=plan, parent=parent,
-        params=_sampling(body, gw.config.default_max_tokens), version=gw.engine.version,
-        started=time.perf_counter(), request=body, choices=[Choice(i) for i in range(body.n)],
+        params=_sampling(body, gw.config.default_max_tokens, constraint), version=gw.engine.version,
+        started=time.perf_counter(), request=body, choices=[Choice(i, forced_prefix=forced) for i in range(body.n)],
     )
 
 
@@ -139,7 +150,12 @@ async def _generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[
 
 
 def _reply(turn: Turn, choice: Choice) -> dict[str, Any]:
-    content, calls = parse_reply(choice.text, tools_enabled=_tools_enabled(turn))
+    if choice.forced_prefix:
+        content, calls = parse_reply(choice.forced_prefix + choice.text + TOOL_CALL_SUFFIX, tools_enabled=True)
+        if not calls:  # cut off by max_tokens: report what the model saw and wrote, without our suffix
+            content = choice.forced_prefix + choice.text
+    else:
+        content, calls = parse_reply(choice.text, tools_enabled=_tools_enabled(turn))
     message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = calls
@@ -318,8 +334,8 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
         delta: dict[str, Any] = {}
         if reply.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(reply["tool_calls"])]
-        elif len(c.text) > c.emitted:
-            delta["content"] = c.text[c.emitted :]
+        elif len(reply.get("content") or "") > c.emitted:
+            delta["content"] = reply["content"][c.emitted :]
         yield chunk([{"index": c.index, "delta": delta, "finish_reason": _finish_reason(c, reply)}],
                     policy_version=turn.version)
     if turn.request.stream_options and turn.request.stream_options.include_usage:

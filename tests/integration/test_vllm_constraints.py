@@ -18,14 +18,14 @@ from tests.support.servers import RunningGateway
 
 pytestmark = pytest.mark.vllm
 
-ADD = {"type": "function", "function": {
+ADD: Any = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
-LOOKUP = {"type": "function", "function": {
+LOOKUP: Any = {"type": "function", "function": {
     "name": "lookup", "description": "Look a word up.",
     "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
-QUESTION = [{"role": "user", "content": "What is 17 plus 25?"}]
+QUESTION: Any = [{"role": "user", "content": "What is 17 plus 25?"}]
 
 
 def _client(gw: RunningGateway, session: str) -> OpenAI:
@@ -34,7 +34,7 @@ def _client(gw: RunningGateway, session: str) -> OpenAI:
 
 def _trajectory(gw: RunningGateway, session: str) -> dict[str, Any]:
     (trajectory,) = httpx.get(f"{gw.url}/v1/sessions/{session}/trajectory", timeout=30).json()["trajectories"]
-    return trajectory  # type: ignore[no-any-return]
+    return trajectory
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -44,16 +44,16 @@ def test_named_tool_choice_yields_a_schema_valid_call_and_chains_on(vllm_gateway
     model = vllm_gateway.gateway.config.served_model_name
     first = client.chat.completions.create(
         model=model, messages=QUESTION, tools=[ADD, LOOKUP], temperature=1.0, seed=seed, max_tokens=48,
-        tool_choice={"type": "function", "function": {"name": "add"}})  # type: ignore[list-item,arg-type]
+        tool_choice={"type": "function", "function": {"name": "add"}})
     (call,) = first.choices[0].message.tool_calls or []
-    assert first.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == "add"  # type: ignore[union-attr]
-    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert first.choices[0].finish_reason == "tool_calls" and call.type == "function"
+    assert call.function.name == "add"
+    arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"a", "b"} and all(isinstance(v, int) for v in arguments.values())
 
     history: list[Any] = [*QUESTION, first.choices[0].message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": str(sum(arguments.values()))}]
-    second = client.chat.completions.create(model=model, messages=history, tools=[ADD, LOOKUP],  # type: ignore[list-item]
+    second = client.chat.completions.create(model=model, messages=history, tools=[ADD, LOOKUP],
                                             temperature=1.0, seed=seed, max_tokens=16)
 
     engine = vllm_gateway.gateway.engine
@@ -75,21 +75,21 @@ def test_named_tool_choice_yields_a_schema_valid_call_and_chains_on(vllm_gateway
 def test_required_tool_choice_picks_one_of_the_tools_when_streaming(vllm_gateway: RunningGateway) -> None:
     client = _client(vllm_gateway, "forced-stream")
     stream = client.chat.completions.create(
-        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, tools=[ADD, LOOKUP],  # type: ignore[list-item]
+        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, tools=[ADD, LOOKUP],
         tool_choice="required", temperature=1.0, seed=7, max_tokens=48, stream=True)
     chunks = [c for c in stream if c.choices]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # the JSON is not leaked as text
     (call,) = chunks[-1].choices[0].delta.tool_calls or []
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert call.function.name in ("add", "lookup")  # type: ignore[union-attr]
-    json.loads(call.function.arguments)  # type: ignore[union-attr,arg-type]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and call.function is not None
+    assert call.function.name in ("add", "lookup")
+    json.loads(call.function.arguments or "")
 
 
 def test_response_format_json_schema_is_enforced(vllm_gateway: RunningGateway) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
     reply = _client(vllm_gateway, "json-schema").chat.completions.create(
-        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, temperature=1.0, seed=3,  # type: ignore[arg-type]
+        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, temperature=1.0, seed=3,
         max_tokens=32, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     parsed = json.loads(reply.choices[0].message.content or "")
     assert set(parsed) == {"answer"} and isinstance(parsed["answer"], int)

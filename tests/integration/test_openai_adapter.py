@@ -24,10 +24,9 @@ HELLO: Any = [{"role": "user", "content": "hi"}]
 def test_session_binds_calls_and_posts_rewards(gateway: RunningGateway) -> None:
     with OpenAISession(gateway.url, group_id="g-1") as session:
         first = session.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
-        session.client.chat.completions.create(
-            model="tiny", max_tokens=3,
-            messages=[*HELLO, first.choices[0].message.model_dump(exclude_none=True),
-                      {"role": "user", "content": "more"}])
+        follow_up: Any = [*HELLO, first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "user", "content": "more"}]
+        session.client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=3)
         session.reward(0.25, completion_id=first.id, final=False)
         session.reward({"accuracy": 1.0}, idempotency_key="end")
         again = session.reward({"accuracy": 1.0}, idempotency_key="end")

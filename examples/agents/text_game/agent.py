@@ -20,7 +20,6 @@ import asyncio
 import json
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

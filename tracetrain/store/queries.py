@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, select
 
 from tracetrain.store.models import AgentSession, Call, Reward
@@ -11,6 +12,13 @@ from tracetrain.store.models import AgentSession, Call, Reward
 
 def get_session(db: Session, *, session_id: str) -> AgentSession | None:
     return db.get(AgentSession, session_id)
+
+
+def add_session_if_absent(db: Session, *, session: AgentSession) -> None:
+    """Insert `session` unless its id exists (two first calls of one session may race): a Core
+    INSERT … ON CONFLICT DO NOTHING, one statement instead of an ORM lookup, add and flush."""
+    dialect = postgresql if db.get_bind().dialect.name == "postgresql" else sqlite
+    db.execute(dialect.insert(AgentSession).values(session.model_dump()).on_conflict_do_nothing())
 
 
 def list_sessions(db: Session, *, limit: int = 100, offset: int = 0) -> Sequence[AgentSession]:

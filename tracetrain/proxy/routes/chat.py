@@ -195,13 +195,13 @@ async def _record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> Non
     known = None if turn.new_session else await gw.session_info(turn.session_id)
     seq = (known or gw.new_session(turn.session_id, turn.owner, turn.group_id)).take_seq()
     rows = [{**call.model_dump(), "seq": seq} for call in calls]
+    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner)
 
     def write(db: Session) -> None:
         # Core statements, not ORM objects: this runs once per call in the single writer.
-        if turn.new_session and db.get(AgentSession, turn.session_id) is None:
-            db.add(AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner))
-            db.flush()
-        elif not turn.new_session:
+        if turn.new_session:
+            queries.add_session_if_absent(db, session=new_row)
+        else:
             db.execute(update(AgentSession).where(col(AgentSession.id) == turn.session_id)
                        .values(updated_at=utcnow()))
         db.execute(insert(Call), rows)

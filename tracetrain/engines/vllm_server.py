@@ -122,6 +122,11 @@ class VLLMServer:
                "--dtype", self.dtype]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        # Compact JSON under constraints (forced tool calls, response_format): with any whitespace
+        # allowed a small model pads with newlines until max_tokens. vLLM 0.32 reads this option
+        # per server only (a request's own `disable_any_whitespace` is ignored), and only with a named
+        # backend: xgrammar, the one it picks by default.
+        cmd += ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enable_lora:

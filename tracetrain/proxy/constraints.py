@@ -91,7 +91,6 @@ def plan_constraint(*, tools: list[dict[str, Any]] | None, tool_choice: str | di
     if forced is not None:
         schemas = [_call_schema(f) for f in forced]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        # Compact JSON: a small model under a grammar that allows any whitespace can pad forever.
-        return Constraint({"json": schema, "disable_any_whitespace": True}, forced_prefix=TOOL_CALL_PREFIX)
+        return Constraint({"json": schema}, forced_prefix=TOOL_CALL_PREFIX)
     structured = _response_format(response_format)
     return None if structured is None else Constraint(structured)

@@ -154,6 +154,8 @@ def test_listing_and_export_need_the_admin_key(keyed: RunningGateway) -> None:
     assert "a-export" in {s["id"] for s in listed.json()["data"]}
     exported = _get(keyed, "/v1/export", ADMIN)
     assert exported.status_code == 200
+    for path in ("/v1/generation/hold", "/v1/generation/release"):
+        _error(httpx.post(f"{keyed.url}{path}", headers=AGENT_A, json={}, timeout=30), 403, "admin_required")
     assert exported.headers["content-type"].startswith("application/x-ndjson")
     rows = [json.loads(line) for line in exported.text.splitlines()]
     mine = [r for r in rows if r["session_id"] == "a-export"]

@@ -15,6 +15,7 @@ from tracetrain.engines.base import Engine
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
 from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.gate import GenerationGate
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.store import queries
@@ -55,9 +56,8 @@ class Gateway:
         """Recently used stored sessions: saves a read per call and numbers calls without a query."""
         self.publisher: Publisher | None = None
         """Puts new weights into the engine; set when training is on (see cli.py)."""
-        self.generation_open = asyncio.Event()
-        """Cleared while a `sync`-mode training step runs: new generations wait for the new policy."""
-        self.generation_open.set()
+        self.gate = GenerationGate()
+        """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self._publish_lock = asyncio.Lock()
         self.services: list[Any] = []
         """Background services started and stopped with the gateway (the trainer thread)."""
@@ -86,12 +86,12 @@ class Gateway:
             # run on the new weights under the old label: hold new generations at the gate instead.
             pauses = getattr(self.publisher, "pauses_engine", False)
             if pauses:
-                self.generation_open.clear()
+                self.gate.close("publish")
             try:
                 await self.publisher.publish(checkpoint)
             finally:
                 if pauses:
-                    self.generation_open.set()
+                    self.gate.open("publish")
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:

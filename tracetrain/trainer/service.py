@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,8 +52,8 @@ class TrainerThread:
             asyncio.run_coroutine_threadsafe(self.gateway.publish(checkpoint), loop).result(timeout=600)
 
         def gate(training: bool) -> None:
-            event = self.gateway.generation_open
-            loop.call_soon_threadsafe(event.clear if training else event.set)
+            gate = self.gateway.gate
+            loop.call_soon_threadsafe(gate.close if training else gate.open, "train")
 
         try:
             trainer = Trainer(self.cfg, self.gateway.db, self.base_dir, publish=publish,
@@ -61,6 +63,20 @@ class TrainerThread:
             self.error = exc
             log.exception("the trainer stopped with an error; the gateway keeps serving")
             raise
+
+
+def remote_gate(gateway_url: str, admin_key: str | None, *, holder: str, ttl_s: float) -> Callable[[bool], None]:
+    """The `sync`-mode gate of a trainer in another process: hold the gateway's generation over HTTP
+    while a step runs. The hold lapses after `ttl_s` should this process die mid-step."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+
+    def gate(training: bool) -> None:
+        path, body = ("hold", {"holder": holder, "ttl_s": ttl_s}) if training else ("release", {"holder": holder})
+        response = httpx.post(f"{gateway_url}/v1/generation/{path}", headers=headers, json=body, timeout=30)
+        if response.status_code != 200:
+            raise RuntimeError(f"gateway answered {response.status_code} to {path}: {response.text[:500]}")
+
+    return gate
 
 
 def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: str | None,
@@ -75,8 +91,14 @@ def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: 
         if response.status_code != 200:
             raise RuntimeError(f"gateway answered {response.status_code}: {response.text[:500]}")
 
+    gate = None
+    if cfg.mode == "sync":
+        if gateway_url is None:
+            raise ValueError("train.mode=sync needs --gateway-url: the trainer must hold the gateway's generation "
+                             "while it steps")
+        gate = remote_gate(gateway_url, admin_key, holder=f"trainer-{os.getpid()}", ttl_s=cfg.lease_s)
     stop = threading.Event()
-    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None)
+    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None, gate=gate)
     try:
         trainer.run(stop)
     except KeyboardInterrupt:

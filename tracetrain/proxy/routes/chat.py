@@ -130,7 +130,7 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
 
 
 async def _generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
-    await gw.generation_open.wait()
+    await gw.gate.wait()
     turn.version = gw.engine.version
     params = turn.params
     if params.seed is not None and choice.index:

@@ -1,0 +1,87 @@
+"""Holding generation: a sync-mode trainer in another process holds the gateway's gate over HTTP while
+it steps; requests wait (they are not refused) and go on when it lets go or its hold lapses."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.servers import RunningGateway
+from tracetrain.config import TrainConfig
+from tracetrain.proxy.gate import GenerationGate
+from tracetrain.trainer.service import remote_gate, run_standalone
+
+
+def _chat_in_background(gw: RunningGateway, results: list[Any]) -> threading.Thread:
+    def send() -> None:
+        response = httpx.post(f"{gw.v1('held')}/chat/completions", timeout=60,
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        results.append((time.monotonic(), response.status_code))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def _state(gw: RunningGateway) -> dict[str, Any]:
+    return httpx.get(f"{gw.url}/v1/generation", timeout=30).json()  # type: ignore[no-any-return]
+
+
+def test_remote_trainer_holds_and_releases_generation(gateway: RunningGateway) -> None:
+    gate = remote_gate(gateway.url, None, holder="t1", ttl_s=60)
+    gate(True)
+    assert _state(gateway) == {"open": False, "holders": ["remote:t1"]}
+    results: list[Any] = []
+    thread = _chat_in_background(gateway, results)
+    time.sleep(1.5)
+    assert not results  # waiting at the gate, not refused
+    released = time.monotonic()
+    gate(False)
+    thread.join(timeout=60)
+    assert results and results[0][1] == 200 and results[0][0] >= released
+    assert _state(gateway) == {"open": True, "holders": []}
+
+
+def test_a_hold_lapses_after_its_ttl(gateway: RunningGateway) -> None:
+    """A trainer that dies mid-step must not stall the agents for longer than its hold."""
+    remote_gate(gateway.url, None, holder="dead", ttl_s=1.0)(True)
+    results: list[Any] = []
+    thread = _chat_in_background(gateway, results)
+    thread.join(timeout=60)
+    assert results and results[0][1] == 200
+    assert _state(gateway)["open"] is True
+
+
+def test_bad_hold_requests_are_400(gateway: RunningGateway) -> None:
+    for body in ({"ttl_s": 0}, {"ttl_s": "long"}, {"holder": ""}, {"surprise": 1}):
+        response = httpx.post(f"{gateway.url}/v1/generation/hold", json=body, timeout=30)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["code"]
+    assert _state(gateway)["open"] is True
+
+
+async def test_gate_opens_only_when_every_holder_let_go() -> None:
+    """A weight reload that ends inside a sync training step must not reopen generation early."""
+    gate = GenerationGate()
+    gate.close("train")
+    gate.close("publish")
+    gate.open("publish")
+    assert not gate.is_open() and gate.holders == ["train"]
+    waiter = asyncio.create_task(gate.wait())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    gate.open("train")
+    await asyncio.wait_for(waiter, 1)
+    gate.open("never-held")
+    assert gate.is_open()
+
+
+def test_standalone_sync_trainer_needs_the_gateway(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gateway-url"):
+        run_standalone(TrainConfig(mode="sync"), None, tmp_path, None, None)  # type: ignore[arg-type]

@@ -1,0 +1,53 @@
+"""Holding new generations (admin only): what a `sync`-mode trainer in another process uses.
+
+While a holder holds the gate, chat requests wait before they reach the engine (requests already
+generating finish), so the samples of the next step all come from the new policy. A hold expires
+after `ttl_s`, so a trainer that dies mid-step cannot stall the agents for longer than that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from tracetrain.proxy.auth import AdminDep
+from tracetrain.proxy.gateway import Gateway
+
+router = APIRouter()
+
+
+class HoldRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    holder: str = Field(default="trainer", min_length=1, max_length=128)
+    ttl_s: float = Field(default=600.0, gt=0, le=86_400)
+    """Seconds after which the hold lapses by itself."""
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    holder: str = Field(default="trainer", min_length=1, max_length=128)
+
+
+def _state(gw: Gateway) -> dict[str, Any]:
+    return {"open": gw.gate.is_open(), "holders": gw.gate.holders}
+
+
+@router.get("/v1/generation")
+async def generation_state(request: Request, _: AdminDep) -> dict[str, Any]:
+    return _state(request.app.state.gateway)
+
+
+@router.post("/v1/generation/hold")
+async def hold_generation(request: Request, body: HoldRequest, _: AdminDep) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    gw.gate.close(f"remote:{body.holder}", body.ttl_s)
+    return _state(gw)
+
+
+@router.post("/v1/generation/release")
+async def release_generation(request: Request, body: ReleaseRequest, _: AdminDep) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    gw.gate.open(f"remote:{body.holder}")
+    return _state(gw)

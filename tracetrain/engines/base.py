@@ -41,6 +41,9 @@ class SamplingParams:
     top_logprobs: int = 0
     """How many alternatives per position the client asked for; the sampled token's logprob is
     always returned regardless."""
+    stream: bool = True
+    """Whether the caller uses deltas as they come. False lets an engine answer in one piece, which
+    for an HTTP engine is one JSON body instead of an event per token."""
     structured_output: dict[str, Any] | None = None
     """A decoding constraint in vLLM's `structured_outputs` shape (`{"json": schema}`,
     `{"json_object": true}`); engines that cannot enforce it must refuse with a 400."""

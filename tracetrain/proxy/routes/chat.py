@@ -95,6 +95,7 @@ def _sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: 
         seed=body.seed,
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
         structured_output=constraint.structured_output if constraint else None,
+        stream=body.stream,
     )
 
 

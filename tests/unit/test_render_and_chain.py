@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tracetrain.proxy.chain import ChainNode, plan_prompt
-from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes, parse_reply
+from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes, parse_forced_call, parse_reply
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,10 @@ def test_a_second_child_is_a_branch(renderer: ChatRenderer) -> None:
     messages = [*first, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "again"}]
     assert plan_prompt(renderer, messages=messages, tools=None, parent=parent, session_has_calls=True).link == "branch"
     assert plan_prompt(renderer, messages=messages, tools=None, parent=None, session_has_calls=False).link == "start"
+
+
+def test_a_forced_call_is_parsed_whole_even_with_markup_in_its_arguments() -> None:
+    (call,) = parse_forced_call('{"name":"search","arguments":{"query":"a </tool_call> b"}}')
+    assert call["function"] == {"name": "search", "arguments": '{"query": "a </tool_call> b"}'}
+    assert parse_forced_call('{"name":"search","arguments":{"query":"cut sho') == []
+    assert parse_forced_call('{"arguments":{}}') == []

@@ -18,7 +18,6 @@ from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.render import TOOL_CALL_OPEN
 
 TOOL_CALL_PREFIX = TOOL_CALL_OPEN + "\n"
-TOOL_CALL_SUFFIX = "\n</tool_call>"
 
 
 @dataclass

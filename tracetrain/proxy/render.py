@@ -77,16 +77,28 @@ def parse_reply(text: str, *, tools_enabled: bool) -> tuple[str, list[dict[str, 
             arguments = payload.get("arguments", {})
         except (json.JSONDecodeError, KeyError, TypeError):
             return text, []
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": str(name), "arguments": _canonical_arguments(arguments)},
-            }
-        )
+        calls.append(_tool_call(name, arguments))
     if not calls:
         return text, []
     return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
+
+
+def parse_forced_call(text: str) -> list[dict[str, Any]]:
+    """The call of a forced tool call: the sampled text is the JSON object alone (the grammar ended
+    it), so it is parsed whole; a string argument may even contain `</tool_call>`. [] if cut short."""
+    try:
+        payload = json.loads(text)
+        return [_tool_call(payload["name"], payload.get("arguments", {}))]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return []
+
+
+def _tool_call(name: Any, arguments: Any) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": str(name), "arguments": _canonical_arguments(arguments)},
+    }
 
 
 class ChatRenderer:

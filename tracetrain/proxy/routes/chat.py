@@ -22,11 +22,11 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
-from tracetrain.proxy.constraints import TOOL_CALL_SUFFIX, Constraint, plan_constraint
+from tracetrain.proxy.constraints import Constraint, plan_constraint
 from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import ChatCompletionRequest
-from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_reply
+from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_forced_call, parse_reply
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call, utcnow
@@ -152,9 +152,9 @@ async def _generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[
 
 def _reply(turn: Turn, choice: Choice) -> dict[str, Any]:
     if choice.forced_prefix:
-        content, calls = parse_reply(choice.forced_prefix + choice.text + TOOL_CALL_SUFFIX, tools_enabled=True)
-        if not calls:  # cut off by max_tokens: report what the model saw and wrote, without our suffix
-            content = choice.forced_prefix + choice.text
+        calls = parse_forced_call(choice.text)
+        # Cut off by max_tokens, no call: report what the model saw and wrote.
+        content = "" if calls else choice.forced_prefix + choice.text
     else:
         content, calls = parse_reply(choice.text, tools_enabled=_tools_enabled(turn))
     message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}

@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -27,7 +26,7 @@ from agentscope.formatter import OpenAIChatFormatter
 from agentscope.message import Msg, TextBlock
 from agentscope.tool import Toolkit, ToolResponse
 
-from tests.support.recording import Generation, RecordingEngine
+from tests.support.recording import RecordingEngine, assert_one_exact_segment
 from tests.support.servers import RunningGateway
 from tracetrain.adapters.agentscope import AgentScopeSession, force_tool_choice
 
@@ -52,22 +51,6 @@ def _engine(gw: RunningGateway) -> RecordingEngine:
     engine = gw.gateway.engine
     assert isinstance(engine, RecordingEngine)
     return engine
-
-
-def _assert_token_exact(trajectory: dict[str, Any], generations: list[Generation]) -> dict[str, Any]:
-    """One segment whose ids are the last prompt the engine was given plus its sample, each prompt
-    extending the previous prompt + sample, and a loss mask of 1 exactly on the sampled ids."""
-    for before, after in zip(generations, generations[1:], strict=False):
-        chain = before.prompt_ids + before.token_ids
-        assert after.prompt_ids[: len(chain)] == chain
-    (segment,) = trajectory["segments"]
-    assert segment["reason"] == "start" and len(segment["call_ids"]) == len(generations)
-    assert segment["token_ids"] == generations[-1].prompt_ids + generations[-1].token_ids
-    mask = [0] * len(segment["token_ids"])
-    for gen in generations:
-        mask[len(gen.prompt_ids): len(gen.prompt_ids) + len(gen.token_ids)] = [1] * len(gen.token_ids)
-    assert segment["loss_mask"] == mask
-    return segment
 
 
 async def test_react_agent_with_a_search_tool_is_one_exact_trajectory(vllm_gateway: RunningGateway) -> None:
@@ -99,7 +82,7 @@ async def test_react_agent_with_a_search_tool_is_one_exact_trajectory(vllm_gatew
         assert [c["finish_reason"] for c in info["calls"]] == ["tool_calls", "stop"]
         generations = _engine(vllm_gateway).generations[-2:]
         (trajectory,) = s.trajectory()["trajectories"]
-        segment = _assert_token_exact(trajectory, generations)
+        segment = assert_one_exact_segment(trajectory, generations)
 
         tokenizer = vllm_gateway.gateway.renderer.tokenizer
         text = tokenizer.decode(segment["token_ids"])

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolCall, ToolMessage
 from langchain_core.tools import BaseTool, tool
 
-from tests.support.recording import Generation, RecordingEngine
+from tests.support.recording import Generation, RecordingEngine, assert_one_exact_segment
 from tests.support.servers import RunningGateway
 from tests.support.tool_model import ADD_TOOL, ANSWER, QUESTION
 from tracetrain.adapters.langchain import LangChainSession
@@ -53,23 +52,6 @@ def _generations(gw: RunningGateway, turns: int) -> list[Generation]:
     return engine.generations[-turns:]
 
 
-def _assert_token_exact(s: LangChainSession, generations: list[Generation]) -> dict[str, Any]:
-    """One segment whose ids are the last prompt the engine was given plus its sample, each prompt
-    extending the previous prompt + sample, and a loss mask of 1 exactly on the sampled ids."""
-    for before, after in zip(generations, generations[1:], strict=False):
-        chain = before.prompt_ids + before.token_ids
-        assert after.prompt_ids[: len(chain)] == chain
-    (trajectory,) = s.trajectory()["trajectories"]
-    (segment,) = trajectory["segments"]
-    assert segment["reason"] == "start" and len(segment["call_ids"]) == len(generations)
-    assert segment["token_ids"] == generations[-1].prompt_ids + generations[-1].token_ids
-    mask = [0] * len(segment["token_ids"])
-    for gen in generations:
-        mask[len(gen.prompt_ids): len(gen.prompt_ids) + len(gen.token_ids)] = [1] * len(gen.token_ids)
-    assert segment["loss_mask"] == mask
-    return segment
-
-
 @pytest.mark.vllm
 def test_langchain_tool_loop_through_vllm_is_one_exact_trajectory(vllm_gateway: RunningGateway) -> None:
     model = vllm_gateway.gateway.config.served_model_name
@@ -91,7 +73,8 @@ def test_langchain_tool_loop_through_vllm_is_one_exact_trajectory(vllm_gateway: 
         assert [c["completion_id"] for c in info["calls"]] == s.completion_ids and len(s.completion_ids) == 2
         assert [c["link"] for c in info["calls"]] == ["start", "extend"]
         generations = _generations(vllm_gateway, 2)
-        segment = _assert_token_exact(s, generations)
+        (trajectory,) = s.trajectory()["trajectories"]
+        segment = assert_one_exact_segment(trajectory, generations)
 
         tokenizer = vllm_gateway.gateway.renderer.tokenizer
         text = tokenizer.decode(segment["token_ids"])
@@ -135,6 +118,7 @@ def test_langchain_tool_call_chosen_by_the_model_is_recorded(tool_gateway: Runni
         info = s.info()
         assert [c["completion_id"] for c in info["calls"]] == s.completion_ids and len(s.completion_ids) == 2
         assert info["status"] == "final" and info["reward_total"] == 1.0
-        segment = _assert_token_exact(s, _generations(tool_gateway, 2))
+        (trajectory,) = s.trajectory()["trajectories"]
+        segment = assert_one_exact_segment(trajectory, _generations(tool_gateway, 2))
     text = tool_gateway.gateway.renderer.tokenizer.decode(segment["token_ids"])
     assert "<tool_call>" in text and "<tool_response>\n5\n</tool_response>" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tracetrain.engines.base import Engine, SamplingParams, TokenDelta
 
@@ -38,3 +39,20 @@ class RecordingEngine:
 
     async def close(self) -> None:
         """The wrapped engine belongs to the test fixture that made it."""
+
+
+def assert_one_exact_segment(trajectory: dict[str, Any], generations: list[Generation]) -> dict[str, Any]:
+    """`trajectory` (one leaf of GET …/trajectory) is one segment whose ids are the last prompt the
+    engine was given plus its sample, each prompt extending the previous prompt + sample, with a loss
+    mask of 1 exactly on the sampled ids. Returns the segment."""
+    for before, after in zip(generations, generations[1:], strict=False):
+        chain = before.prompt_ids + before.token_ids
+        assert after.prompt_ids[: len(chain)] == chain
+    (segment,) = trajectory["segments"]
+    assert segment["reason"] == "start" and len(segment["call_ids"]) == len(generations)
+    assert segment["token_ids"] == generations[-1].prompt_ids + generations[-1].token_ids
+    mask = [0] * len(segment["token_ids"])
+    for gen in generations:
+        mask[len(gen.prompt_ids): len(gen.prompt_ids) + len(gen.token_ids)] = [1] * len(gen.token_ids)
+    assert segment["loss_mask"] == mask
+    return segment  # type: ignore[no-any-return]

@@ -36,12 +36,14 @@ console = Console()
 
 DEMO_TRAINING = {
     "advantage": "grpo", "policy_loss": "vanilla", "lora": True, "lora_rank": 16, "lora_alpha": 32,
-    "lr": 4e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "sync",
+    "lr": 2e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "sync",
     "micro_batch_tokens": 1024, "tis_cap": 2.0, "publish": "reload",
 }
 """LoRA makes a step cheaper than full fine-tuning; each adapter is merged and reloaded as full weights
 because vLLM on CPU serves an adapter at half the speed of plain weights. `sync`: on 2 cores,
-generation and training compete for the same CPU, so agents wait while a batch trains."""
+generation and training compete for the same CPU, so agents wait while a batch trains. lr 2e-4: at
+about 4 versions a minute, 4e-4 peaked after 30 versions and then fell apart (training reward
+0.5 -> 0.1 from version 43 on, bench/results/learning_speed.md)."""
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:

@@ -110,7 +110,8 @@ class Rows:
 
 
 def write_op(session_id: str, call: Call) -> Callable[[Session], None]:
-    """The chat route's write: the session row (new or touched), the next seq, the call."""
+    """The chat route's earlier ORM write, kept for comparison: the session row (new or touched), the
+    next seq by query, the call, through the ORM unit of work."""
 
     def write(db: Session) -> None:
         session = db.get(AgentSession, session_id)
@@ -131,19 +132,15 @@ _SESSIONS = AgentSession.__table__  # type: ignore[attr-defined]
 
 
 def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], None]:
-    """The same rows through SQLAlchemy Core, with `seq` known by the caller (a gateway would keep the
-    next seq per session in memory, as it keeps owners): two statements, no ORM unit of work, no reads."""
+    """The chat route's write (tracetrain/proxy/routes/chat.py `_record`): the same rows through
+    SQLAlchemy Core, with `seq` kept in memory by the gateway: two statements, no ORM unit of work, no reads."""
     row = {column.name: getattr(call, column.name) for column in _CALLS.columns}
     row["seq"] = seq
 
     def write(db: Session) -> None:
         now = utcnow()
         if seq == 0:
-            db.execute(
-                insert(_SESSIONS).values(
-                    id=session_id, group_id="bench", owner=None, status="open", created_at=now, updated_at=now
-                )
-            )
+            queries.add_session_if_absent(db, session=AgentSession(id=session_id, group_id="bench", owner=None))
         else:
             db.execute(update(_SESSIONS).where(_SESSIONS.c.id == session_id).values(updated_at=now))
         db.execute(insert(_CALLS), row)
@@ -151,7 +148,7 @@ def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], 
     return write
 
 
-WRITES = {"orm": "chat route's ORM write", "core": "Core insert (proposal)"}
+WRITES = {"orm": "earlier ORM write", "core": "chat route's Core write"}
 
 
 @dataclass
@@ -332,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--stores", default=",".join(STORES), help=f"comma-separated of {', '.join(STORES)}")
     parser.add_argument(
-        "--writes", default="orm,core", help="orm (the chat route's write, as is), core (a proposal), or both"
+        "--writes", default="orm,core", help="core (the chat route's write), orm (the earlier ORM write), or both"
     )
     parser.add_argument(
         "--concurrency", default="1,16,256", help="submitters, comma-separated (default 1,16,256)"
@@ -364,8 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         "each submitter owns one session: its first write creates it, later ones touch it and take the "
         "next seq",
         "submit latency = from submit() to the commit that contains it; mean batch = ops per transaction",
-        "write orm = the chat route's write as is (session get, next_seq query, ORM add + flush per op); "
-        "core = the same rows as two Core statements per op with seq kept by the caller (a proposal)",
+        "write core = the chat route's write (two Core statements per op, seq kept in memory); "
+        "orm = the earlier ORM write (session get, next_seq query, ORM add + flush per op), for comparison",
         f"files under {tempfile.gettempdir()}; one machine with shared cores: compare rows, not machines",
     ]
     command = " ".join(["python -m bench.store_throughput", *map(shlex.quote, argv or sys.argv[1:])])

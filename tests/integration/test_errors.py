@@ -154,6 +154,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "invalid_tools"),
         ({"response_format": {"type": "yaml"}}, "invalid_response_format"),
         ({"response_format": {"type": "json_schema"}}, "invalid_response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "invalid_response_format"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "invalid_tool_choice"),
     ],
 )
 def test_bad_tool_choice_and_response_format_are_400(rec: Recorded, change: dict[str, Any], code: str) -> None:

@@ -55,7 +55,8 @@ def _forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[st
         raise APIError(400, "tool_choice requires 'tools'.", param="tool_choice", code="invalid_tool_choice")
     if tool_choice == "required":
         return functions
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}.", param="tool_choice",
@@ -74,7 +75,8 @@ def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] |
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        schema = (response_format or {}).get("json_schema", {}).get("schema")
+        spec = (response_format or {}).get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs 'json_schema': {'schema': {...}}.",
                            param="response_format", code="invalid_response_format")

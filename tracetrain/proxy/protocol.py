@@ -42,7 +42,6 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
 

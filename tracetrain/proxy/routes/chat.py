@@ -196,11 +196,11 @@ async def _record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> Non
     known = None if turn.new_session else await gw.session_info(turn.session_id)
     seq = (known or gw.new_session(turn.session_id, turn.owner, turn.group_id)).take_seq()
     rows = [{**call.model_dump(), "seq": seq} for call in calls]
-    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner)
+    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner) if turn.new_session else None
 
     def write(db: Session) -> None:
         # Core statements, not ORM objects: this runs once per call in the single writer.
-        if turn.new_session:
+        if new_row is not None:
             queries.add_session_if_absent(db, session=new_row)
         else:
             db.execute(update(AgentSession).where(col(AgentSession.id) == turn.session_id)

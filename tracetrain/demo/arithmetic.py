@@ -1,11 +1,17 @@
-"""Arithmetic agent: the OpenAI SDK, one sum per episode, a rule-based reward posted afterwards.
+"""The demo's agent: the OpenAI SDK, one sum per episode, a rule-based reward posted afterwards.
 
-    python examples/agents/arithmetic/agent.py --gateway http://127.0.0.1:8000 --episodes 64
-    python examples/agents/arithmetic/agent.py --eval 64 --out eval.json   # held-out, greedy, no rewards
+    python -m tracetrain.demo.arithmetic --gateway http://127.0.0.1:8000 --episodes 64
+    python -m tracetrain.demo.arithmetic --eval 64 --out eval.json   # held-out, greedy, no rewards
 
 It knows nothing about tracetrain beyond a base URL (which binds the session and the group) and the
 reward endpoint. Each problem is attempted `--group-size` times in one group, so group baselines
 (GRPO, RLOO) have something to compare.
+
+**The split.** Sums `a + b` with 1 <= a, b <= 30 are split once, by a fixed seed, on the *unordered*
+pair {a, b}: `TEST` (the held-out set every figure is measured on), `VALIDATION` (for choosing
+settings such as the learning rate) and `TRAIN` (everything training episodes draw from, in either
+order). `a + b` and `b + a` are the same pair, so no held-out sum is ever asked during training, in
+either order, whatever the run's seed.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import asyncio
 import json
 import random
 import re
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,13 +30,58 @@ from openai import AsyncOpenAI
 
 SYSTEM = "You are a calculator. Reply with only the number."
 EXAMPLES = [("What is 3 + 4?", "7"), ("What is 12 + 5?", "17")]
-"""Two worked examples in the conversation: the format is shown, the sums are still the model's job."""
+"""Two worked examples in the conversation: the format is shown, the sums are still the model's job.
+Both are in `TRAIN` (see below), never in the held-out sets."""
+MAX_TOKENS = 8
+"""Answer-token cap of every attempt, training and evaluation alike (benchmarks use the same)."""
+
+OPERANDS = range(1, 31)
+SPLIT_SEED = 20_261_123
+"""Fixed forever: changing it changes which sums are held out, and every earlier figure with it."""
+TEST_SIZE, VALIDATION_SIZE = 96, 64
+Pair = tuple[int, int]
+
+
+def _split() -> tuple[list[Pair], list[Pair], list[Pair]]:
+    pairs = [(a, b) for a in OPERANDS for b in OPERANDS if a <= b]  # 465 unordered pairs
+    shown = {(3, 4), (5, 12)}  # the worked examples stay out of the held-out sets
+    candidates = [p for p in pairs if p not in shown]
+    random.Random(SPLIT_SEED).shuffle(candidates)
+    test = candidates[:TEST_SIZE]
+    validation = candidates[TEST_SIZE : TEST_SIZE + VALIDATION_SIZE]
+    train = sorted(candidates[TEST_SIZE + VALIDATION_SIZE :] + sorted(shown))
+    return train, validation, test
+
+
+TRAIN, VALIDATION, TEST = _split()
+"""Unordered pairs (a <= b): 305 for training, 64 for validation, 96 held out."""
+
+
+def _question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
 
 
 def make_problem(rng: random.Random) -> tuple[str, int, str]:
-    """(question, answer, group id)."""
-    a, b = rng.randint(1, 30), rng.randint(1, 30)
-    return f"What is {a} + {b}?", a + b, f"add-{a}-{b}"
+    """A training problem (question, answer, group id): a pair from `TRAIN`, in a random order."""
+    a, b = rng.choice(TRAIN)
+    if rng.random() < 0.5:
+        a, b = b, a
+    return _question(a, b), a + b, f"add-{a}-{b}"
+
+
+def held_out(n: int, split: str = "test") -> list[tuple[str, int]]:
+    """The first `n` problems of the held-out `test` (or `validation`) set, the same in every run; each
+    pair is asked in one fixed order."""
+    pool = {"test": TEST, "validation": VALIDATION}[split]
+    if not 0 < n <= len(pool):
+        raise ValueError(f"the {split} set has {len(pool)} problems; asked for {n}")
+    order = random.Random(SPLIT_SEED + 1)
+    problems = []
+    for a, b in pool:
+        if order.random() < 0.5:
+            a, b = b, a
+        problems.append((_question(a, b), a + b))
+    return problems[:n]
 
 
 def messages(question: str) -> list[dict[str, str]]:
@@ -53,7 +103,7 @@ def score(reply: str, answer: int) -> float:
 
 async def attempt(client: AsyncOpenAI, model: str, question: str, temperature: float) -> tuple[str, int]:
     raw = await client.chat.completions.with_raw_response.create(
-        model=model, messages=messages(question), max_tokens=8, temperature=temperature)  # type: ignore[arg-type]
+        model=model, messages=messages(question), max_tokens=MAX_TOKENS, temperature=temperature)  # type: ignore[arg-type]
     reply = raw.parse()
     return reply.choices[0].message.content or "", int(raw.headers.get("x-policy-version", "0"))
 
@@ -92,9 +142,8 @@ async def train_episodes(args: argparse.Namespace) -> None:
 
 
 async def evaluate(args: argparse.Namespace) -> None:
-    """Held-out problems (their own seed), greedy, nothing posted: the trainer never sees them."""
-    rng = random.Random(10_000 + args.seed)
-    problems = [make_problem(rng) for _ in range(args.eval)]
+    """Held-out problems (`--split`, never drawn for training), greedy, nothing posted."""
+    problems = held_out(args.eval, args.split)
     client = AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key)
     limit = asyncio.Semaphore(args.concurrency)
 
@@ -103,7 +152,7 @@ async def evaluate(args: argparse.Namespace) -> None:
             reply, version = await attempt(client, args.model, question, 0.0)
             return score(reply, answer), version
 
-    results = await asyncio.gather(*(one(q, a) for q, a, _ in problems))
+    results = await asyncio.gather(*(one(q, a) for q, a in problems))
     summary = {"mean_reward": sum(r for r, _ in results) / len(results), "n": len(results),
                "exact": sum(r == 1.0 for r, _ in results) / len(results), "versions": sorted({v for _, v in results})}
     print(json.dumps(summary), flush=True)
@@ -124,6 +173,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", action="store_true", help="print one JSON line per episode")
     parser.add_argument("--eval", type=int, default=0, help="evaluate on this many held-out problems instead")
+    parser.add_argument("--split", choices=["test", "validation"], default="test",
+                        help="with --eval: which held-out set")
     parser.add_argument("--out", help="with --eval: write the summary here")
     args = parser.parse_args()
     if args.episodes is None and args.minutes is None and not args.eval:
@@ -132,4 +183,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,7 +1,9 @@
 """`tracetrain demo`: agents learn from their own traffic, live, on this machine.
 
 1. `tracetrain serve --train` starts vLLM on CPU (SmolLM2-135M-Instruct), the gateway and the trainer.
-2. The unmodified arithmetic agent (examples/agents/arithmetic) is evaluated on held-out sums, greedy.
+2. The unmodified arithmetic agent (`tracetrain.demo.arithmetic`) is evaluated on held-out sums, greedy.
+   Held out by construction: the sums are split once on the unordered pair {a, b}, and training
+   episodes draw only from the training part, in either order (see `tracetrain.demo.arithmetic`).
 3. Agents run through the gateway for a while, posting rule-based rewards; the trainer turns them into
    new weights and hot-swaps them into vLLM while the agents keep going. The terminal shows the reward
    of every policy version as it happens.
@@ -30,8 +32,8 @@ from rich.table import Table
 
 from tracetrain.engines.vllm_server import die_with_parent
 
-REPO = Path(__file__).resolve().parent.parent
-AGENT = REPO / "examples" / "agents" / "arithmetic" / "agent.py"
+AGENT = [sys.executable, "-m", "tracetrain.demo.arithmetic"]
+"""The agent runs as its own process, talking HTTP to the gateway like any user's agent."""
 console = Console()
 
 DEMO_TRAINING = {
@@ -74,7 +76,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout
 
 
 def _evaluate(url: str, n: int, out: Path) -> dict[str, Any]:
-    subprocess.run([sys.executable, str(AGENT), "--gateway", url, "--eval", str(n), "--out", str(out)],
+    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--out", str(out)],
                    check=True, capture_output=True, text=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -101,9 +103,9 @@ def _progress(episodes: list[dict[str, float]], policies: list[dict[str, Any]], 
     return table
 
 
-def _train(url: str, minutes: float, log_path: Path) -> list[dict[str, float]]:
+def _train(url: str, minutes: float, seed: int, log_path: Path) -> list[dict[str, float]]:
     """Run the agent for `minutes`, reading its episode log and the trainer's versions live."""
-    agent = subprocess.Popen([sys.executable, str(AGENT), "--gateway", url, "--minutes", str(minutes), "--log"],
+    agent = subprocess.Popen([*AGENT, "--gateway", url, "--minutes", str(minutes), "--seed", str(seed), "--log"],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     episodes: list[dict[str, float]] = []
     started = time.monotonic()
@@ -171,17 +173,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
     parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the agents' training stream and the trainer (the held-out set is fixed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="trainer setting, e.g. --set lr=1e-4 --set lora=false")
     args = parser.parse_args(argv)
+    try:  # the agent speaks the OpenAI SDK; the trainer needs torch, peft and verl
+        import matplotlib  # noqa: F401
+        import openai  # noqa: F401
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"tracetrain demo needs the demo extra ({exc.name} is missing): "
+                         "pip install 'tracetrain[demo]'") from exc
+    from tracetrain.demo import arithmetic
+
     args.out.mkdir(parents=True, exist_ok=True)
-    overrides = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)}
+    overrides = {"seed": args.seed, **{k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)}}
     config = _write_config(args.out, args.port, args.vllm_port, args.engine, overrides)
     url = f"http://127.0.0.1:{args.port}"
     log = args.out / "gateway.log"
     started = time.monotonic()
     console.rule("tracetrain demo")
-    console.print(f"config {config}, logs {log}")
+    console.print(f"config {config}, logs {log}, seed {args.seed}")
+    console.print(f"held-out split: {args.eval_size} of the {len(arithmetic.TEST)} test sums of "
+                  f"{arithmetic.__name__}; training draws from {len(arithmetic.TRAIN)} other pairs (split once by a "
+                  "fixed seed on the unordered pair {a, b}: no held-out sum is asked in training, in either order)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that `finally` stops the gateway and vLLM
     gateway = subprocess.Popen([sys.executable, "-m", "tracetrain.cli", "--config", str(config), "serve", "--train"],
                                stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
@@ -191,8 +207,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"held-out evaluation on {args.eval_size} sums (greedy)…")
         before = _evaluate(url, args.eval_size, args.out / "eval_before.json")
         console.print(f"before training: mean reward {before['mean_reward']:.3f}, exact {before['exact']:.1%}")
-        episodes = _train(url, args.minutes, args.out / "episodes.jsonl")
+        train_started = time.monotonic()
+        episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl")
+        train_minutes = (time.monotonic() - train_started) / 60
         after = _evaluate(url, args.eval_size, args.out / "eval_after.json")
+        versions = max(after["versions"])
         _plot(episodes, before, after, args.out / "reward.png")
         summary = Table(title="held-out evaluation (greedy, never trained on)")
         for column in ("", "policy version", "mean reward", "exact answers"):
@@ -200,7 +219,14 @@ def main(argv: list[str] | None = None) -> None:
         summary.add_row("before", str(before["versions"]), f"{before['mean_reward']:.3f}", f"{before['exact']:.1%}")
         summary.add_row("after", str(after["versions"]), f"{after['mean_reward']:.3f}", f"{after['exact']:.1%}")
         console.print(summary)
-        console.print(f"plot: {args.out / 'reward.png'}; total {(time.monotonic() - started) / 60:.1f} min")
+        total = (time.monotonic() - started) / 60
+        console.print(f"{versions} policy versions in {train_minutes:.1f} min of training "
+                      f"({versions / train_minutes:.1f} per minute); plot: {args.out / 'reward.png'}; "
+                      f"total {total:.1f} min")
+        (args.out / "summary.json").write_text(json.dumps({
+            "seed": args.seed, "minutes": args.minutes, "eval_size": args.eval_size, "before": before,
+            "after": after, "versions": versions, "train_minutes": train_minutes, "total_minutes": total,
+            "episodes": len(episodes), "versions_per_minute": versions / train_minutes}, indent=1))
     finally:
         gateway.terminate()
         try:

@@ -12,10 +12,12 @@ import hashlib
 import json
 import re
 import uuid
-from pathlib import Path
+from importlib.resources import files
 from typing import Any
 
-BUNDLED_TEMPLATE = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
+BUNDLED_TEMPLATE = (files("tracetrain.proxy") / "templates" / "chatml_tools.jinja").read_text(encoding="utf-8")
+"""Read as package data (importlib.resources), so it is found in an installed wheel, not only in a checkout;
+pyproject.toml's [tool.setuptools.package-data] is what puts it into the wheel."""
 TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _DEFAULT_SYSTEM_RE = re.compile(r"<\|im_start\|>system(?:\\n|\n)(.+?)<\|im_end\|>", re.DOTALL)

@@ -8,15 +8,21 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.support.servers import PostgresCluster, RunningGateway, start_gateway
+from tests.support.setup_steps import POSTGRES_MISSING, TORCH_MISSING
 
 if TYPE_CHECKING:
     from tracetrain.engines.transformers_engine import TransformersEngine
+
+# tests.support.ci_skips fails every skip when CI=true (a skip there means a setup step is missing);
+# pytester runs that plugin in tests/unit/test_ci_skips.py. pytest_plugins is only allowed in the
+# top conftest, hence here.
+pytest_plugins = ["pytester", "tests.support.ci_skips"]
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """A tiny random Llama with SmolLM2's tokenizer (built once, cached under ~/.cache/tracetrain)."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason=TORCH_MISSING)
     from tracetrain.engines.models import tiny_model_dir
 
     return tiny_model_dir()
@@ -31,9 +37,23 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresCluster]:
+    """The shared test cluster. It runs with fsync=off: the store tests check behaviour, not
+    survival of a power cut, and fsync on a busy CI disk would only slow them down."""
     if not PostgresCluster.available():
-        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) are not installed")
+        pytest.skip(POSTGRES_MISSING)
     cluster = PostgresCluster()
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def durable_postgres() -> Iterator[PostgresCluster]:
+    """A cluster with production durability (fsync=on, synchronous_commit=on), for the durability
+    test only: a commit it acknowledges is on disk, as it would be in a real deployment."""
+    if not PostgresCluster.available():
+        pytest.skip(POSTGRES_MISSING)
+    cluster = PostgresCluster(durable=True)
     cluster.start()
     yield cluster
     cluster.stop()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.servers import free_port
+from tests.support.setup_steps import VLLM_MISSING
 
 pytestmark = pytest.mark.vllm
 
@@ -21,7 +22,7 @@ def test_short_demo_trains_publishes_and_plots(tmp_path: Path) -> None:
     from tracetrain.engines.vllm_server import find_vllm_python
 
     if find_vllm_python() is None:
-        pytest.skip("vLLM is not installed")
+        pytest.skip(VLLM_MISSING)
     port, vllm_port = free_port(), free_port()
     result = subprocess.run(
         [sys.executable, "-m", "tracetrain.cli", "demo", "--minutes", "2", "--eval-size", "8", "--port", str(port),

@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
+from tests.support.setup_steps import VLLM_MISSING
 
 
 @dataclass
@@ -45,7 +46,7 @@ def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
         yield RunningVLLM(url, first["id"], first.get("max_model_len", 0), Path(first["root"]))
         return
     if find_vllm_python() is None:
-        pytest.skip("vLLM is not installed: no .venv-vllm and no TRACETRAIN_VLLM_PYTHON")
+        pytest.skip(VLLM_MISSING)
     server = VLLMServer(
         smollm2_path,
         served_model_name="smollm2",

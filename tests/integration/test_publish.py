@@ -18,8 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
+from tests.support.setup_steps import PEFT_MISSING, TORCH_MISSING
+
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
+pytest.importorskip("peft", reason=PEFT_MISSING)
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402

@@ -71,11 +71,17 @@ def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *,
 
 
 class PostgresCluster:
-    """initdb + pg_ctl in a temporary directory; as root the server runs as the postgres user."""
+    """initdb + pg_ctl in a temporary directory; as root the server runs as the postgres user.
 
-    def __init__(self) -> None:
+    By default the cluster runs with fsync=off, which is fast and enough for tests of behaviour.
+    `durable=True` gives PostgreSQL's production settings instead (fsync, synchronous_commit and
+    full_page_writes on, and initdb syncs its files), for tests about what survives a crash.
+    """
+
+    def __init__(self, *, durable: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tt-pg-"))
         self.port = free_port()
+        self.durable = durable
         self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 
     @staticmethod
@@ -95,10 +101,16 @@ class PostgresCluster:
         if self._as_postgres:
             shutil.chown(self.dir, "postgres", "postgres")
         data = str(self.dir / "data")
-        initdb = [str(self.bin("initdb")), "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"]
+        initdb = [str(self.bin("initdb")), "-D", data, "-A", "trust", "-U", "postgres"]
+        if self.durable:
+            # Set explicitly on the command line, so no postgresql.conf default can weaken them.
+            settings = "-c fsync=on -c synchronous_commit=on -c full_page_writes=on"
+        else:
+            initdb.append("--no-sync")
+            settings = "-c fsync=off"
         subprocess.run([*self._as_postgres, *initdb], check=True, capture_output=True)
         subprocess.run([*self._as_postgres, str(self.bin("pg_ctl")), "-D", data, "-w", "-l", str(self.dir / "log"),
-                        "-o", f"-p {self.port} -k {self.dir} -c fsync=off", "start"],
+                        "-o", f"-p {self.port} -k {self.dir} {settings}", "start"],
                        check=True, capture_output=True)
 
     def url(self, database: str = "postgres") -> str:

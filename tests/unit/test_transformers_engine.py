@@ -4,7 +4,9 @@ import asyncio
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.support.setup_steps import TORCH_MISSING
+
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 from tracetrain.engines.base import EngineError, EngineUnavailable, SamplingParams, TokenDelta  # noqa: E402
 from tracetrain.engines.transformers_engine import IncrementalText, TransformersEngine  # noqa: E402

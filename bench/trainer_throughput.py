@@ -3,10 +3,15 @@
     python -m bench.trainer_throughput                 # about 5-8 minutes on a 2-core CPU
     python -m bench.trainer_throughput --shapes 32x48+16 --steps 2
 
-The peak is measured, not taken from a data sheet: the best fp32 matmul rate torch reaches on this
-machine (square and model-shaped GEMMs, all of torch's threads) in the same run. Each configuration
-then runs the trainer's own `train_step` (GRPO advantages given, vanilla PPO-clip loss, AdamW) on
-synthetic samples of the given shape: B sequences of P prompt tokens + C sampled tokens.
+MFU is given against two peaks:
+- the theoretical fp32 peak of the CPU: cores x clock x fp32 FLOPs per cycle per core, each factor
+  printed with where it came from (`theoretical_peak`); the clock is the highest the part can run at,
+  so this MFU is a lower bound;
+- the measured GEMM rate: the best fp32 matmul rate torch reaches (square and model-shaped GEMMs,
+  all of torch's threads), re-measured right before each configuration, so a machine that got busier
+  or cooler in between shows in that row's peak, not in its MFU.
+Each configuration runs the trainer's own `train_step` (GRPO advantages given, vanilla PPO-clip loss,
+fused AdamW) on synthetic samples of the given shape: B sequences of P prompt tokens + C sampled tokens.
 
 Model FLOPs per step, counted the usual way (weights only, plus attention scores):
 - forward = 2 x (non-embedding parameters) x all tokens + 2 x hidden x vocab x sampled tokens (the
@@ -15,15 +20,17 @@ Model FLOPs per step, counted the usual way (weights only, plus attention scores
 - full fine-tuning: 3 x forward (the backward pass is twice the forward);
 - LoRA: 2 x forward (activation gradients still flow through every frozen weight, weight gradients
   are only the adapters', which are ignored here).
-MFU = model FLOPs per second / measured peak. Optimizer time is inside the step, as in real training.
+MFU = model FLOPs per second / peak. Optimizer time is inside the step, as in real training.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -69,6 +76,53 @@ def matmul_peak(seconds_per_size: float = 2.0) -> tuple[float, str]:
     return best, where
 
 
+@dataclass
+class Peak:
+    flops: float
+    derivation: str
+
+
+def _cpuinfo() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def fp32_flops_per_cycle(info: dict[str, str]) -> tuple[int, str]:
+    """fp32 FLOPs one core retires per cycle at best: FMA pipes x fp32 lanes x 2 (an FMA is two FLOPs)."""
+    flags = set(info.get("flags", "").split())
+    vendor, family = info.get("vendor_id", ""), int(info.get("cpu family", "0"))
+    if vendor == "AuthenticAMD" and family >= 0x19:
+        # Zen 3 and Zen 4 (family 25): two 256-bit FMA pipes; Zen 4 runs AVX-512 as two 256-bit halves.
+        return 2 * 8 * 2, "AMD family 25 (Zen 3/4): 2 FMA pipes x 8 fp32 lanes (256-bit) x 2"
+    if "avx512f" in flags:
+        return 2 * 16 * 2, "AVX-512 with 2 FMA units: 2 x 16 fp32 lanes x 2"
+    if "fma" in flags:
+        return 2 * 8 * 2, "AVX2 + FMA: 2 FMA units x 8 fp32 lanes x 2"
+    return 4 * 2, "no FMA flag: 4 fp32 lanes (SSE) x 2 (add + multiply)"
+
+
+def theoretical_peak(clock_ghz: float | None) -> Peak:
+    """cores x clock x FLOPs/cycle. The clock: `--clock-ghz`, else cpufreq's maximum, else /proc/cpuinfo's
+    MHz (under a hypervisor that is often the base or TSC clock, below what the part boosts to)."""
+    info = _cpuinfo()
+    cores = len(os.sched_getaffinity(0))
+    per_cycle, why = fp32_flops_per_cycle(info)
+    max_freq = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    if clock_ghz is not None:
+        clock, source = clock_ghz, "--clock-ghz"
+    elif max_freq.exists():
+        clock, source = int(max_freq.read_text()) / 1e6, "cpufreq cpuinfo_max_freq"
+    else:
+        clock, source = float(info.get("cpu MHz", "0")) / 1e3, "/proc/cpuinfo cpu MHz"
+    flops = cores * clock * 1e9 * per_cycle
+    return Peak(flops, f"{cores} cores x {clock:.2f} GHz ({source}) x {per_cycle} fp32 FLOP/cycle ({why}) "
+                       f"= {flops / 1e9:.1f} GFLOP/s; CPU: {info.get('model name', '?')}")
+
+
 def samples_for(shape: Shape, vocab: int, rng: random.Random) -> list[Sample]:
     length = shape.prompt + shape.completion
     return [
@@ -95,7 +149,7 @@ def model_flops(model: torch.nn.Module, shape: Shape, lora: bool) -> float:
     return forward * (2 if lora else 3)
 
 
-def measure(lora: bool, shape: Shape, steps: int, peak: float, cfg_base: TrainConfig) -> list[object]:
+def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: TrainConfig) -> list[object]:
     cfg = cfg_base.model_copy(update={"lora": lora})
     torch.manual_seed(0)
     model = build_model(smollm2_dir(), cfg)
@@ -104,6 +158,8 @@ def measure(lora: bool, shape: Shape, steps: int, peak: float, cfg_base: TrainCo
     samples = samples_for(shape, model.config.vocab_size, random.Random(0))
     advantages = [s.reward - 0.5 for s in samples]
     pad = model.config.eos_token_id or 0
+    peak, where = matmul_peak(seconds_per_size=1.0)  # right before this configuration, same threads
+    console.log(f"GEMM peak before {'LoRA' if lora else 'full'} {shape}: {peak / 1e9:.1f} GFLOP/s ({where})")
     times = []
     for step in range(steps + 1):  # the first step warms up allocators and kernels; not counted
         stats = train_step(model, optimizer, StepInputs(samples, advantages), cfg, pad)
@@ -117,7 +173,8 @@ def measure(lora: bool, shape: Shape, steps: int, peak: float, cfg_base: TrainCo
     achieved = flops / seconds
     return [f"LoRA r{cfg.lora_rank}" if lora else "full", str(shape), f"{sum(p.numel() for p in trainable) / 1e6:.1f}M",
             f"{seconds:.2f}", f"{tokens / seconds:.0f}", f"{shape.batch * shape.completion / seconds:.0f}",
-            f"{achieved / 1e9:.1f}", f"{100 * achieved / peak:.1f}%"]
+            f"{achieved / 1e9:.1f}", f"{peak / 1e9:.1f}", f"{100 * achieved / peak:.1f}%",
+            f"{100 * achieved / theoretical:.1f}%"]
 
 
 def main() -> None:
@@ -126,24 +183,27 @@ def main() -> None:
                         help="BxP+C: B sequences of P prompt and C sampled tokens")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (median kept)")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--clock-ghz", type=float, help="clock of the theoretical peak (see theoretical_peak)")
     args = parser.parse_args()
     shapes = [Shape.parse(s) for s in args.shapes]
     cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, lora_rank=16, lora_alpha=32)
-    console.log(f"measuring the fp32 matmul peak with {torch.get_num_threads()} threads")
-    peak, where = matmul_peak()
-    console.log(f"peak {peak / 1e9:.1f} GFLOP/s ({where})")
-    table = ResultTable(f"Trainer throughput, SmolLM2-135M fp32; measured matmul peak {peak / 1e9:.1f} GFLOP/s "
-                        f"({where}, {torch.get_num_threads()} threads)",
-                        ["mode", "shape", "trainable", "s/step", "tokens/s", "sampled tok/s", "GFLOP/s", "MFU"],
-                        right_align_from=2)
+    theoretical = theoretical_peak(args.clock_ghz)
+    console.log(f"theoretical fp32 peak: {theoretical.derivation}")
+    table = ResultTable(f"Trainer throughput, SmolLM2-135M fp32, {torch.get_num_threads()} threads; theoretical peak "
+                        f"{theoretical.flops / 1e9:.1f} GFLOP/s",
+                        ["mode", "shape", "trainable", "s/step", "tokens/s", "sampled tok/s", "GFLOP/s",
+                         "GEMM peak GFLOP/s", "MFU vs GEMM", "MFU vs theoretical"], right_align_from=2)
     for lora in (False, True):
         for shape in shapes:
-            table.add(*measure(lora, shape, args.steps, peak, cfg))
+            table.add(*measure(lora, shape, args.steps, theoretical.flops, cfg))
     console.print(table.rich())
-    notes = ["tokens/s counts every token of the batch (prompt and sampled); sampled tok/s only the trained ones.",
+    notes = [f"theoretical peak: {theoretical.derivation}",
+             "GEMM peak: best fp32 matmul rate over 1024^3, 2048^3 and two model-shaped GEMMs, measured right "
+             "before each row (the row's own figure).",
+             "tokens/s counts every token of the batch (prompt and sampled); sampled tok/s only the trained ones.",
              "FLOP counts and the LoRA approximation are described in the script's docstring."]
-    path = write_results("trainer_throughput", "Trainer throughput and MFU", "python -m bench.trainer_throughput",
-                         [table], notes)
+    command = "python -m bench.trainer_throughput" + (f" --clock-ghz {args.clock_ghz:g}" if args.clock_ghz else "")
+    path = write_results("trainer_throughput", "Trainer throughput and MFU", command, [table], notes)
     console.log(f"wrote {path}")
 
 

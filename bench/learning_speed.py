@@ -84,6 +84,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The modules tracetrain's trainer puts LoRA on (tracetrain/trainer/checkpoint.py)."""
 TRL_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
 """tracetrain's (verl's) loss aggregation -> TRL's loss_type with the same normalisation."""
+TRL_SCALE_REWARDS = {"grpo": "group", "rloo": "none"}
+"""tracetrain's (verl's) advantage estimator -> TRL's scale_rewards. grpo: (r - group mean) / group std on
+both. rloo: r - mean of the other members, which is n/(n-1) times TRL's unscaled r - group mean: the same
+direction, a constant factor that Adam's normalisation all but removes."""
 LR_SEED = 100
 """`--select-lr` runs this seed, distinct from the measured ones."""
 LR_FILE = RESULTS_DIR / "learning_speed_lr.json"
@@ -372,7 +376,8 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"make_problem(random.Random(seed)) in order, its score, max {MAX_TOKENS} answer tokens, temperature "
         f"{TEMPERATURE:g}, groups of {GROUP_SIZE}, {BATCH} sessions per optimizer step, LoRA r{DEMO.lora_rank}/alpha"
         f"{DEMO.lora_alpha} on {', '.join(LORA_TARGETS)} without dropout, constant lr, no KL, token-mean loss "
-        f"(TRL loss_type {TRL_LOSS_TYPE.get(DEMO.loss_agg_mode)}), clip {DEMO.clip_ratio:g}, grad clip "
+        f"(TRL loss_type {TRL_LOSS_TYPE.get(DEMO.loss_agg_mode)}), {DEMO.advantage} advantages (TRL scale_rewards "
+        f"{TRL_SCALE_REWARDS.get(DEMO.advantage)}), clip {DEMO.clip_ratio:g}, grad clip "
         f"{DEMO.grad_clip:g}, {DEMO.ppo_epochs} pass per batch; optimizers as measured: {'; '.join(optimizers)}",
         f"samples per optimizer step: TRL exactly {BATCH} (zero-variance groups included, they get zero advantage); "
         f"tracetrain's sync loop (mode {DEMO.mode}, min_sessions {DEMO.min_sessions}) claims every finished session "

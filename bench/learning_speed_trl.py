@@ -26,6 +26,7 @@ from bench.learning_speed import (
     MAX_TOKENS,
     TEMPERATURE,
     TRL_LOSS_TYPE,
+    TRL_SCALE_REWARDS,
     RunSpec,
 )
 from bench.learning_speed_report import ArmRun, EvalPoint
@@ -50,8 +51,8 @@ def trl_worker(spec_path: Path) -> None:
 
     from tracetrain.engines.models import smollm2_dir
 
-    if DEMO.algorithm != "rl" or DEMO.advantage != "grpo" or DEMO.policy_loss != "vanilla" or not DEMO.lora \
-            or DEMO.loss_agg_mode not in TRL_LOSS_TYPE:
+    if DEMO.algorithm != "rl" or DEMO.advantage not in TRL_SCALE_REWARDS or DEMO.policy_loss != "vanilla" \
+            or not DEMO.lora or DEMO.loss_agg_mode not in TRL_LOSS_TYPE:
         raise SystemExit(f"DEMO_TRAINING changed ({DEMO_TRAINING}): map it to GRPOConfig in bench/learning_speed.py")
     model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -70,7 +71,8 @@ def trl_worker(spec_path: Path) -> None:
         max_completion_length=MAX_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
         learning_rate=spec.lr, lr_scheduler_type="constant", weight_decay=DEMO.weight_decay,
         max_grad_norm=DEMO.grad_clip, optim="adamw_torch_fused", beta=DEMO.kl_coef, epsilon=DEMO.clip_ratio,
-        num_iterations=DEMO.ppo_epochs, loss_type=TRL_LOSS_TYPE[DEMO.loss_agg_mode], scale_rewards="group",
+        num_iterations=DEMO.ppo_epochs, loss_type=TRL_LOSS_TYPE[DEMO.loss_agg_mode],
+        scale_rewards=TRL_SCALE_REWARDS[DEMO.advantage],
         max_steps=len(problems) * GROUP_SIZE // BATCH, shuffle_dataset=False, seed=spec.seed,
         bf16=False, gradient_checkpointing=False, use_cpu=True,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,

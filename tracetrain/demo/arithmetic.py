@@ -147,15 +147,20 @@ async def evaluate(args: argparse.Namespace) -> None:
     client = AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key)
     limit = asyncio.Semaphore(args.concurrency)
 
-    async def one(question: str, answer: int) -> tuple[float, int]:
+    async def one(question: str, answer: int) -> tuple[float, int, str]:
         async with limit:
             reply, version = await attempt(client, args.model, question, 0.0)
-            return score(reply, answer), version
+            return score(reply, answer), version, reply
 
     results = await asyncio.gather(*(one(q, a) for q, a in problems))
-    summary = {"mean_reward": sum(r for r, _ in results) / len(results), "n": len(results),
-               "exact": sum(r == 1.0 for r, _ in results) / len(results), "versions": sorted({v for _, v in results})}
-    print(json.dumps(summary), flush=True)
+    rewards = [r for r, _, _ in results]
+    replies = [reply.strip() for _, _, reply in results]
+    summary = {"mean_reward": sum(rewards) / len(rewards), "n": len(rewards),
+               "exact": sum(r == 1.0 for r in rewards) / len(rewards),
+               "versions": sorted({v for _, v, _ in results}),
+               # A policy that answers the same few numbers whatever the question has stopped reading it.
+               "distinct_replies": len(set(replies)), "replies": replies}
+    print(json.dumps({k: v for k, v in summary.items() if k != "replies"}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(summary))
 

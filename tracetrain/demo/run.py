@@ -37,7 +37,7 @@ AGENT = [sys.executable, "-m", "tracetrain.demo.arithmetic"]
 console = Console()
 
 DEMO_TRAINING = {
-    "advantage": "grpo", "policy_loss": "vanilla", "lora": True, "lora_rank": 16, "lora_alpha": 32,
+    "advantage": "rloo", "policy_loss": "vanilla", "lora": True, "lora_rank": 16, "lora_alpha": 32,
     "lr": 2e-4, "batch_sessions": 32, "min_sessions": 32, "max_staleness": 1, "mode": "sync",
     "micro_batch_tokens": 1024, "tis_cap": 2.0, "publish": "reload",
 }
@@ -45,7 +45,11 @@ DEMO_TRAINING = {
 because vLLM on CPU serves an adapter at half the speed of plain weights. `sync`: on 2 cores,
 generation and training compete for the same CPU, so agents wait while a batch trains. lr 2e-4: in
 one earlier run at 4e-4 the held-out reward peaked after about 30 versions and then fell (0.66 ->
-0.41); bench/demo_seeds.py checks the held-out reward of every other version at 2e-4."""
+0.41); bench/demo_seeds.py checks the held-out reward of every other version at 2e-4. rloo, not grpo:
+the agent's partial credit lets a constant answer ("30" to every sum) earn 0.34, more than the base
+model, and grpo's division by each group's reward spread turns the tiny differences among all-wrong
+answers into full-size advantages; over three seeds one grpo run settled on a handful of constant
+answers (bench/results/demo_seeds_grpo.md), none of the rloo runs did (bench/results/demo_seeds.md)."""
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:

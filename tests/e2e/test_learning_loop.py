@@ -89,6 +89,9 @@ async def test_agents_keep_running_while_versions_advance(learning_gateway: Runn
     await _agents(learning_gateway, 48, versions, failures)
     await _wait_for_version(learning_gateway, 2)
     await _agents(learning_gateway, 16, versions, failures)
+    # The trainer goes on stepping in its thread; stop it (off the event loop, which its publish needs) so
+    # that the step in progress finishes publishing before the store is read.
+    await asyncio.to_thread(learning_gateway.trainer.stop)  # type: ignore[attr-defined]
 
     assert failures == []
     assert max(versions) >= 2, "later responses come from newer policies"

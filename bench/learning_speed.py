@@ -23,6 +23,8 @@ by k. Every `--eval-every` seconds after the previous evaluation ended, an arm e
 agent's `--eval` mode while training traffic continues, TRL with HF `generate` between two steps.
 
     python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --minutes 8   # once: lr per arm (validation)
+    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --pairings same-engine   # or only these two:
+        # tracetrain + vLLM then takes the lr chosen for tracetrain + transformers (same trainer)
     python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
     python -m bench.learning_speed --pairings same-engine --seeds 0 --minutes 1.5 --eval-size 8 \\
         --eval-every 30 --output learning_speed_smoke                        # smoke test
@@ -340,6 +342,11 @@ def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[st
             lrs[arm] = (given[arm], "--lr override")
         elif arm in chosen:
             lrs[arm] = (float(chosen[arm]), f"chosen on the validation split by --select-lr, {lr_file.name}")
+        elif arm == "tracetrain-vllm" and "tracetrain-transformers" in chosen:
+            # Same trainer, loss and optimizer; only the generation engine differs, so the lr chosen
+            # for tracetrain + transformers carries over (selecting it again would cost another hour).
+            lrs[arm] = (float(chosen["tracetrain-transformers"]), "tracetrain + transformers engine's lr chosen on "
+                        f"the validation split by --select-lr ({lr_file.name}): same trainer, only the engine differs")
         else:
             lrs[arm] = (DEMO.lr, f"DEMO_TRAINING's lr: no --lr and no selection for this arm in {lr_file.name} "
                                  "(run --select-lr first)")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -44,11 +44,19 @@ class TrainConfig(BaseModel):
     mode: Literal["sync", "async"] = "async"
     """`sync`: generation waits while a batch trains (on-policy); `async`: it does not."""
     max_staleness: int = 2
-    """Samples more than this many versions older than the trainer's are skipped (and counted)."""
+    """Sessions with a call more than this many versions older than the trainer's are set aside as
+    `stale` (kept in the store, counted, never trained on by this loop)."""
     batch_sessions: int = 16
-    """Finished sessions per training step."""
+    """Usable sessions per training step: whole groups, freshest first (so up to one group more when
+    group sizes do not add up to it); zero-variance groups are replaced by more groups (DAPO's dynamic
+    sampling)."""
     min_sessions: int = 8
-    """Fewer ready sessions than this: wait instead of stepping."""
+    """Fewest usable sessions a step trains on, and only after waiting `fill_timeout_s` for a full batch."""
+    fill_timeout_s: float = 30.0
+    """Once a step has `min_sessions` usable sessions, how long it waits for `batch_sessions` more."""
+    group_settle_s: float = 30.0
+    """A group with a member still open (active in this long) is not claimed, so its baseline sees every
+    member; after this long from its first finished member it is claimed anyway."""
     micro_batch_tokens: int = 2048
     """Padded tokens per forward/backward pass: bounds the step's activation memory (SmolLM2-135M:
     about 1 GB per 1k tokens in float32)."""
@@ -87,6 +95,13 @@ class TrainConfig(BaseModel):
     `reload` with `lora: true` merges each adapter into the base weights and serves those."""
     seed: int = 0
     """Seed for the trainer's randomness."""
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainConfig:
+        if not 1 <= self.min_sessions <= self.batch_sessions:
+            raise ValueError(f"train.min_sessions ({self.min_sessions}) must be between 1 and train.batch_sessions "
+                             f"({self.batch_sessions})")
+        return self
 
 
 class Config(BaseSettings):
@@ -134,6 +149,28 @@ class Config(BaseSettings):
     """Logging level of the gateway."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The trainer (`serve --train` or `tracetrain train`)."""
+    admission: Literal["none", "staleness"] = "none"
+    """`staleness` (training workloads): hold new sessions while the ready and in-flight sessions
+    already fill `admission_batches` training batches, so the trainer is not fed work it would drop as
+    stale. `none` (production agents): nothing is held; the trainer takes the freshest sessions."""
+    admission_batches: float = Field(default=1.0, gt=0)
+    """Batches of `train.batch_sessions` that may be ready or in flight under `admission: staleness`.
+    1 keeps the next batch generating while one trains; more keeps the engine busier, but the trainer
+    takes the freshest sessions first, so what is beyond one batch ages and may go stale."""
+    admission_wait_s: float = Field(default=30.0, ge=0)
+    """How long a held new session waits for room before it is refused with 429 and `Retry-After`."""
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> Config:
+        if self.admission == "staleness" and self.admission_batches > self.train.max_staleness + 1:
+            raise ValueError(f"admission_batches ({self.admission_batches:g}) above train.max_staleness + 1 "
+                             f"({self.train.max_staleness + 1}) admits sessions that can only go stale")
+        return self
+
+    @property
+    def admission_limit(self) -> int:
+        """Ready plus in-flight sessions above which `admission: staleness` holds new sessions."""
+        return max(1, round(self.admission_batches * self.train.batch_sessions))
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

@@ -99,6 +99,7 @@ async def test_agents_keep_running_while_versions_advance(learning_gateway: Runn
         policies = db.exec(select(Policy).where(Policy.version > 0).order_by(col(Policy.version))).all()
         calls = db.exec(select(Call)).all()
         consumed = db.exec(select(AgentSession).where(col(AgentSession.trained_version).is_not(None))).all()
+        unused = db.exec(select(AgentSession).where(col(AgentSession.skip_reason).is_not(None))).all()
     assert [p.version for p in policies][:2] == [1, 2]
     for policy in policies:
         assert policy.published_at is not None and policy.publish_error is None
@@ -107,7 +108,13 @@ async def test_agents_keep_running_while_versions_advance(learning_gateway: Runn
         assert policy.metrics["samples"] > 0 and "reward_mean" in policy.metrics
     assert {c.policy_version for c in calls} >= {0, 1}
     assert len(consumed) >= 16
-    assert all(s.skip_reason in (None, "zero_variance") for s in consumed)
+    assert all(s.skip_reason is None for s in consumed), "what a step cannot use is set aside, not consumed"
+    for policy in policies:  # each version says what it trained on and how old it was
+        assert sum(policy.metrics["staleness"].values()) == policy.metrics["samples"]
+        assert policy.metrics["sessions"] >= 8 and policy.metrics["age_s"]["max"] >= 0
+    listing = httpx.get(f"{learning_gateway.url}/v1/policies").json()
+    assert listing["sessions"]["set_aside"] == {reason: len([s for s in unused if s.skip_reason == reason])
+                                                for reason in {s.skip_reason for s in unused}}
 
 
 @pytest.mark.parametrize("learning_gateway", [{"mode": "sync", "max_staleness": 0}], indirect=True)

@@ -68,7 +68,7 @@ def _trainer(tiny_model_path: Path, tmp_path: Path, db_url: str, **overrides: ob
     return Trainer(cfg, make_engine(db_url), tiny_model_path)
 
 
-def test_stale_and_zero_variance_sessions_are_skipped_and_counted(tiny_model_path: Path, tmp_path: Path) -> None:
+def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_path: Path, tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 't.db'}"
     engine = make_engine(db_url)
     with Session(engine) as db:
@@ -87,9 +87,12 @@ def test_stale_and_zero_variance_sessions_are_skipped_and_counted(tiny_model_pat
     with Session(engine) as db:
         rows = {s.id: (s.trained_version, s.skip_reason) for s in db.exec(select(AgentSession)).all()}
         policy = db.get(Policy, 4)
-    assert rows == {"old": (3, "stale"), "flat-1": (3, "zero_variance"), "flat-2": (3, "zero_variance"),
+    # set aside, not consumed: still in the store for offline algorithms and export
+    assert rows == {"old": (None, "stale"), "flat-1": (None, "zero_variance"), "flat-2": (None, "zero_variance"),
                     "good-1": (4, None), "good-2": (4, None)}
     assert policy is not None and policy.metrics["samples"] == 2 and policy.metrics["stale"] == 1
+    assert policy.metrics["set_aside"] == {"stale": 1, "zero_variance": 2}
+    assert policy.metrics["staleness"] == {"0": 1, "1": 1} and policy.metrics["sessions"] == 2
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -9,7 +9,7 @@ import torch
 
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.algorithms.dpo import dpo_loss, preference_pairs
-from tracetrain.trainer.algorithms.importance import is_stale, truncated_is_weights
+from tracetrain.trainer.algorithms.importance import staleness_floor, truncated_is_weights
 from tracetrain.trainer.algorithms.sft import select_for_sft, sft_loss
 
 
@@ -34,10 +34,8 @@ def test_truncated_importance_weights_by_hand() -> None:
 
 
 def test_staleness_rule() -> None:
-    assert not is_stale(5, 5, 0)
-    assert is_stale(4, 5, 0)
-    assert not is_stale(3, 5, 2)
-    assert is_stale(2, 5, 2)
+    assert staleness_floor(5, 0) == 5  # on-policy only
+    assert staleness_floor(5, 2) == 3  # versions 3, 4 and 5 are within two steps
 
 
 def test_sft_selection_and_loss_by_hand() -> None:

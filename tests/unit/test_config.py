@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tracetrain.config import Config, load_config
 
@@ -51,3 +52,14 @@ def test_nested_train_settings_merge_across_sources(tmp_path: Path, monkeypatch:
     config = load_config(path, **_nested(["train.lr=1e-4", "train.lora=true"]))
     assert (config.train.advantage, config.train.lr, config.train.lora, config.train.max_staleness) == \
         ("rloo", 1e-4, True, 5)
+
+
+def test_batch_and_admission_combinations_are_checked_when_the_config_loads() -> None:
+    with pytest.raises(ValidationError, match="min_sessions"):
+        Config(train={"batch_sessions": 8, "min_sessions": 9})
+    # the trainer takes the freshest first: beyond max_staleness + 1 batches, admitted work can only go stale
+    with pytest.raises(ValidationError, match="admission_batches"):
+        Config(admission="staleness", admission_batches=3, train={"max_staleness": 1})
+    assert Config(admission="staleness", admission_batches=1.5, train={"batch_sessions": 32}).admission_limit == 48
+    with pytest.raises(ValidationError, match="admission"):
+        Config(admission="fifo")

@@ -144,7 +144,8 @@ async def train_episodes(args: argparse.Namespace) -> None:
 async def evaluate(args: argparse.Namespace) -> None:
     """Held-out problems (`--split`, never drawn for training), greedy, nothing posted."""
     problems = held_out(args.eval, args.split)
-    client = AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key)
+    # Evaluation is not training work: a gateway under `admission: staleness` must not hold it.
+    client = AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key, default_headers={"X-Admission": "bypass"})
     limit = asyncio.Semaphore(args.concurrency)
 
     async def one(question: str, answer: int) -> tuple[float, int, str]:

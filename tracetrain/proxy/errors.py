@@ -19,16 +19,19 @@ _TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
 }
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -46,8 +49,9 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status)
+def error_response(status: int, message: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -62,7 +66,7 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param)
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:

@@ -12,6 +12,7 @@ from sqlmodel import Session
 
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
+from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
 from tracetrain.proxy.errors import APIError
@@ -56,6 +57,8 @@ class Gateway:
         """Recently used stored sessions: saves a read per call and numbers calls without a query."""
         self.publisher: Publisher | None = None
         """Puts new weights into the engine; set when training is on (see cli.py)."""
+        self.admission = Admission(config, db, self.metrics)
+        """Under `admission: staleness`, holds new sessions while the trainer has enough work."""
         self.gate = GenerationGate()
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self._publish_lock = asyncio.Lock()

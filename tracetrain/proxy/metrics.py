@@ -27,3 +27,9 @@ class GatewayMetrics:
         self.policy_version = Gauge(
             "tracetrain_policy_version", "Policy version being served", registry=self.registry
         )
+        self.admission_held = Gauge(
+            "tracetrain_admission_held", "New sessions waiting for admission now", registry=self.registry
+        )
+        self.admission_refused = Counter(
+            "tracetrain_admission_refused", "New sessions refused with 429 after waiting", registry=self.registry
+        )

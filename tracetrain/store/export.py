@@ -36,6 +36,8 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
                 "input_ids": segment["token_ids"], "loss_mask": segment["loss_mask"],
                 "logprobs": segment["logprobs"], "policy_versions": segment["policy_versions"],
                 "reward": total, "final": session.status == "final",
+                # Which step learned from it, or why the online trainer left it (stale, zero_variance, ...).
+                "trained_version": session.trained_version, "unused_reason": session.skip_reason,
                 "prompt": last.messages, "completion": [last.response_message],
             }
 

@@ -1,45 +1,149 @@
-"""Trainer claims on finished sessions: a lease so that several trainers never train the same row.
+"""Trainer claims on finished sessions, and what is left for other uses.
 
-A claim is one conditional UPDATE (atomic on SQLite and PostgreSQL alike): it takes sessions that
-have a final reward, are not consumed, and whose lease is free or expired. A crashed trainer's lease
-simply runs out and the sessions go to the next claim.
+A session with a final reward is *ready* until a trainer either consumes it (`trained_version` set:
+the step that produced that version learned from it) or sets it aside (`skip_reason` set,
+`trained_version` still empty: the online trainer cannot use it, e.g. `stale` or `zero_variance`,
+but it stays in the store for off-policy and offline algorithms and for export).
+
+Claims take whole groups, freshest first (the highest oldest-policy-version, then the latest
+finish), so GRPO-style baselines see every member and the trainer learns from what is most on
+policy. A claim is a conditional UPDATE (atomic on SQLite and PostgreSQL alike) that sets a lease:
+several trainers never train the same row, and a crashed trainer's lease simply runs out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, or_, update
+from sqlalchemy import and_, exists, or_, update
+from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Policy, utcnow
+from tracetrain.store.models import AgentSession, Call, Policy, utcnow
+
+
+def _unused(*, include_set_aside: bool = False) -> ColumnElement[bool]:
+    """Final and not consumed; not set aside either, unless `include_set_aside`."""
+    unused = and_(col(AgentSession.status) == "final", col(AgentSession.trained_version).is_(None))
+    return unused if include_set_aside else and_(unused, col(AgentSession.skip_reason).is_(None))
+
+
+def _lease_free(now: datetime) -> ColumnElement[bool]:
+    return or_(col(AgentSession.lease_until).is_(None), col(AgentSession.lease_until) < now)
+
+
+@dataclass(frozen=True)
+class ReadySession:
+    id: str
+    group_id: str
+    oldest_version: int
+    """The oldest policy version among the session's calls: its staleness."""
+    finished_at: datetime
+
+
+def ready_sessions(db: Session, *, min_version: int | None = None, include_set_aside: bool = False,
+                   ) -> list[ReadySession]:
+    """Unleased ready sessions (with their oldest policy version), at or above `min_version` if given;
+    with `include_set_aside`, also those the online trainer set aside (for SFT and DPO)."""
+    oldest = select(func.min(Call.policy_version)).where(Call.session_id == AgentSession.id).scalar_subquery()
+    query = select(AgentSession.id, AgentSession.group_id, oldest, AgentSession.updated_at).where(
+        _unused(include_set_aside=include_set_aside), _lease_free(utcnow()))
+    if min_version is not None:
+        query = query.where(oldest >= min_version)
+    return [ReadySession(i, g, int(v or 0), _aware(t)) for i, g, v, t in db.exec(query).all()]
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite and PostgreSQL hand back the stored UTC times without a zone."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def busy_groups(db: Session, *, group_ids: Sequence[str], active_since: datetime) -> set[str]:
+    """Of `group_ids`, those with an open session that made a call after `active_since`."""
+    query = select(AgentSession.group_id).where(
+        col(AgentSession.group_id).in_(group_ids), AgentSession.status == "open",
+        col(AgentSession.updated_at) >= active_since).distinct()
+    return set(db.exec(query).all())
+
+
+def pick_groups(sessions: Sequence[ReadySession], *, busy: set[str], settled_before: datetime, want: int) -> list[str]:
+    """Session ids of whole groups, freshest group first, until there are at least `want` (so at most
+    one group's worth beyond it when group sizes do not add up to `want`).
+
+    A busy group (a member still open) waits, so its baseline sees every member, unless its first
+    member finished before `settled_before`: an abandoned member, or an agent that keeps one group
+    open all the time, cannot hold it back for long.
+    """
+    groups: dict[str, list[ReadySession]] = {}
+    for session in sessions:
+        groups.setdefault(session.group_id, []).append(session)
+    ready = [members for group, members in groups.items()
+             if group not in busy or min(m.finished_at for m in members) < settled_before]
+    ready.sort(key=lambda members: (min(m.oldest_version for m in members), max(m.finished_at for m in members)),
+               reverse=True)
+    picked: list[str] = []
+    for members in ready:
+        if len(picked) >= want:
+            break
+        picked += [m.id for m in members]
+    return picked
+
+
+def claim_groups(db: Session, *, trainer_id: str, want: int, lease_s: float, min_version: int | None,
+                 settle_s: float, include_set_aside: bool = False) -> list[str]:
+    """Lease whole ready groups, freshest first, about `want` sessions; returns the ids this trainer got."""
+    sessions = ready_sessions(db, min_version=min_version, include_set_aside=include_set_aside)
+    if not sessions:
+        return []
+    since = utcnow() - timedelta(seconds=settle_s)
+    busy = busy_groups(db, group_ids=sorted({s.group_id for s in sessions}), active_since=since)
+    ids = pick_groups(sessions, busy=busy, settled_before=since, want=want)
+    return _lease(db, trainer_id=trainer_id, session_ids=ids, lease_s=lease_s)
 
 
 def claim_sessions(db: Session, *, trainer_id: str, limit: int, lease_s: float) -> list[str]:
-    now = utcnow()
-    candidates = (
-        select(AgentSession.id)
-        .where(AgentSession.status == "final", col(AgentSession.trained_version).is_(None),
-               or_(col(AgentSession.lease_until).is_(None), col(AgentSession.lease_until) < now))
-        .order_by(col(AgentSession.updated_at))
-        .limit(limit)
-    )
-    ids = list(db.exec(candidates).all())
-    if not ids:
+    """Lease up to `limit` ready sessions, oldest finish first, regardless of groups and staleness
+    (offline consumers: SFT over the store, export jobs)."""
+    query = (select(AgentSession.id).where(_unused(), _lease_free(utcnow()))
+             .order_by(col(AgentSession.updated_at)).limit(limit))
+    return _lease(db, trainer_id=trainer_id, session_ids=list(db.exec(query).all()), lease_s=lease_s)
+
+
+def _lease(db: Session, *, trainer_id: str, session_ids: list[str], lease_s: float) -> list[str]:
+    if not session_ids:
         return []
+    now = utcnow()
     until = now + timedelta(seconds=lease_s)
-    db.execute(
-        update(AgentSession)
-        .where(and_(col(AgentSession.id).in_(ids),
-                    or_(col(AgentSession.lease_until).is_(None), col(AgentSession.lease_until) < now)))
-        .values(lease_owner=trainer_id, lease_until=until)
-    )
+    db.execute(update(AgentSession).where(col(AgentSession.id).in_(session_ids), _lease_free(now))
+               .values(lease_owner=trainer_id, lease_until=until))
     db.commit()
     # Another trainer may have won some of them between the select and the update.
-    mine = select(AgentSession.id).where(col(AgentSession.id).in_(ids), col(AgentSession.lease_owner) == trainer_id,
+    mine = select(AgentSession.id).where(col(AgentSession.id).in_(session_ids),
+                                         col(AgentSession.lease_owner) == trainer_id,
                                          col(AgentSession.lease_until) == until)
     return list(db.exec(mine).all())
+
+
+def set_aside_stale(db: Session, *, min_version: int) -> int:
+    """Set aside every unleased ready session with a call older than `min_version`; returns how many.
+    Versions only grow, so a stale session can never become usable by the online trainer again."""
+    older = exists().where(col(Call.session_id) == col(AgentSession.id), col(Call.policy_version) < min_version)
+    result = db.execute(update(AgentSession).where(_unused(), _lease_free(utcnow()), older)
+                        .values(skip_reason="stale").execution_options(synchronize_session=False))
+    db.commit()
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def set_aside(db: Session, *, trainer_id: str, session_ids: Sequence[str], reason: str) -> None:
+    """Release this trainer's lease on `session_ids` and set them aside for `reason`, unconsumed."""
+    if not session_ids:
+        return
+    db.execute(update(AgentSession)
+               .where(col(AgentSession.id).in_(session_ids), col(AgentSession.lease_owner) == trainer_id)
+               .values(skip_reason=reason, lease_owner=None, lease_until=None))
+    db.commit()
 
 
 def release_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]) -> None:
@@ -49,22 +153,35 @@ def release_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
     db.commit()
 
 
-def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str], version: int,
-                     skip_reason: str | None = None) -> None:
-    """Mark sessions as used by the step that produced `version` (or skipped, with the reason)."""
+def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str], version: int) -> None:
+    """Mark sessions as learned from by the step that produced `version`."""
     if not session_ids:
         return
     db.execute(update(AgentSession)
                .where(col(AgentSession.id).in_(session_ids), col(AgentSession.lease_owner) == trainer_id)
-               .values(trained_version=version, skip_reason=skip_reason, lease_owner=None, lease_until=None))
+               .values(trained_version=version, lease_owner=None, lease_until=None))
     db.commit()
+
+
+def set_aside_counts(db: Session) -> dict[str, int]:
+    """Sessions left unconsumed in the store, by reason."""
+    query = (select(AgentSession.skip_reason, func.count()).where(
+        col(AgentSession.trained_version).is_(None), col(AgentSession.skip_reason).is_not(None))
+        .group_by(col(AgentSession.skip_reason)))
+    return {str(reason): int(n) for reason, n in db.exec(query).all()}
 
 
 def latest_policy(db: Session) -> Policy | None:
     return db.exec(select(Policy).order_by(col(Policy.version).desc()).limit(1)).first()
 
 
+def recent_policy_times(db: Session, *, limit: int) -> list[datetime]:
+    """Creation times of the latest `limit` versions, newest first (the trainer's step rate)."""
+    query = select(Policy.created_at).where(Policy.version > 0).order_by(col(Policy.version).desc()).limit(limit)
+    return list(db.exec(query).all())
+
+
 def ready_count(db: Session) -> int:
-    query = select(func.count()).select_from(AgentSession).where(
-        AgentSession.status == "final", col(AgentSession.trained_version).is_(None))
+    """Ready sessions no trainer has claimed yet."""
+    query = select(func.count()).select_from(AgentSession).where(_unused(), _lease_free(utcnow()))
     return int(db.exec(query).one())

@@ -42,7 +42,9 @@ class AgentSession(AgentSessionBase, table=True):
     trained_version: int | None = Field(default=None, index=True)
     """The policy version whose training step consumed this session (None: not consumed yet)."""
     skip_reason: str | None = Field(default=None, max_length=32)
-    """Why the trainer consumed it without learning from it (`stale`, `zero_variance`, ...)."""
+    """Why the online trainer set it aside (`stale`, `zero_variance`, `no_samples`): it stays
+    unconsumed (`trained_version` None) for offline algorithms and export. (Stores written by 0.1 have
+    the reason together with a `trained_version`.)"""
 
 
 class AgentSessionPublic(AgentSessionBase):

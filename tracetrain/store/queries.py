@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Call, Reward
+from tracetrain.store.models import AgentSession, Call, Policy, Reward
 
 
 def get_session(db: Session, *, session_id: str) -> AgentSession | None:
@@ -67,3 +67,7 @@ def all_session_ids(db: Session) -> Sequence[str]:
 def latest_call_id(db: Session, *, session_id: str) -> str | None:
     query = select(Call.id).where(Call.session_id == session_id).order_by(col(Call.seq).desc())
     return db.exec(query.limit(1)).first()
+
+
+def list_policies(db: Session) -> Sequence[Policy]:
+    return db.exec(select(Policy).order_by(col(Policy.version))).all()

@@ -9,6 +9,7 @@ segment's first call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import torch
 from sqlmodel import Session
@@ -26,6 +27,8 @@ class Sample:
     logprobs: list[float]
     versions: list[int]
     reward: float
+    finished_at: datetime | None = None
+    """When the session's final reward arrived (UTC)."""
 
     @property
     def oldest_version(self) -> int:
@@ -46,6 +49,7 @@ def load_samples(db: Session, session_ids: list[str], *, gamma: float = 1.0) -> 
         calls = queries.session_calls(db, session_id=session_id)
         rewards = queries.session_rewards(db, session_id=session_id)
         outcome = sum(r.value for r in rewards if r.call_id is None)
+        finished = session.updated_at if session.updated_at.tzinfo else session.updated_at.replace(tzinfo=UTC)
         per_call: dict[str, float] = {}
         for reward in rewards:
             if reward.call_id is not None:
@@ -57,7 +61,8 @@ def load_samples(db: Session, session_ids: list[str], *, gamma: float = 1.0) -> 
                 turn_rewards = sum(gamma**turn * per_call.get(call_id, 0.0)
                                    for turn, call_id in enumerate(segment["call_ids"]))
                 samples.append(Sample(session_id, session.group_id, segment["token_ids"], segment["loss_mask"],
-                                      segment["logprobs"], segment["policy_versions"], outcome + turn_rewards))
+                                      segment["logprobs"], segment["policy_versions"], outcome + turn_rewards,
+                                      finished))
     return samples
 
 

@@ -112,6 +112,13 @@ async def _prepare(gw: Gateway, request: Request, body: ChatCompletionRequest, o
     if stored is not None and not (admin or stored.owner == owner):
         raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
     group_id = binding.group_id or (stored.group_id if stored else prompt_group(messages))
+    if stored is None:
+        # Siblings are admitted together only in groups the agent named; a prompt-hash group can be
+        # every session of an agent that asks the same thing.
+        await gw.admission.admit(session_id, binding.group_id,
+                                 bypass=request.headers.get("x-admission", "").lower() == "bypass")
+    else:
+        gw.admission.touch(session_id)
     parent = None
     if stored is not None:
         parent = await gw.find_parent(session_id, history_hashes(tools, messages), messages)

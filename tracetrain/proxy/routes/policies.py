@@ -6,17 +6,19 @@ here; the gateway owns the engine, so it loads the weights and switches versions
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
-from sqlmodel import col, select
+from sqlmodel import Session
 
 from tracetrain.engines.base import EngineError
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.store import leases, queries
 from tracetrain.store.models import Policy
 from tracetrain.trainer.publish import Checkpoint, PublishError
 
@@ -33,8 +35,14 @@ class PublishRequest(BaseModel):
 @router.get("/v1/policies")
 async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
-    rows = await gw.read(lambda db: db.exec(select(Policy).order_by(col(Policy.version))).all())
+
+    def read(db: Session) -> tuple[Sequence[Policy], int, dict[str, int]]:
+        return queries.list_policies(db), leases.ready_count(db), leases.set_aside_counts(db)
+
+    rows, ready, set_aside = await gw.read(read)
     return {"object": "list", "served_version": gw.engine.version,
+            # Sessions waiting for the trainer, and those it left in the store unconsumed, by reason.
+            "sessions": {"ready": ready, "set_aside": set_aside},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 

@@ -78,6 +78,8 @@ async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
     result: RewardResponse = await gw.writer.submit(write)
     if not result.duplicate:
         gw.metrics.rewards.inc()
+        if result.final:
+            gw.admission.finished(session_id)
     return result
 
 

@@ -20,7 +20,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.T
     return torch.exp(log_ratio).clamp(max=cap) * mask
 
 
-def is_stale(sample_version: int, current_version: int, max_staleness: int) -> bool:
-    """A sample produced by `sample_version` is too old to train on once the policy has moved on by
-    more than `max_staleness` versions (0: strictly on-policy)."""
-    return current_version - sample_version > max_staleness
+def staleness_floor(current_version: int, max_staleness: int) -> int:
+    """The oldest behaviour version still trained on once the policy is at `current_version`: samples
+    from older versions are more than `max_staleness` steps off-policy (0: strictly on-policy)."""
+    return current_version - max_staleness

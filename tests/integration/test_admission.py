@@ -1,0 +1,77 @@
+"""Staleness-aware admission over real HTTP: new sessions are held while the trainer has a batch's
+worth of work ready or running, refused with 429 + Retry-After in OpenAI's error shape after the wait,
+and let through as soon as a trainer (in any process: the store is what counts) claims a batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from sqlmodel import Session
+
+from tests.support.servers import RunningGateway, start_gateway
+from tracetrain.config import TrainConfig
+from tracetrain.store import leases
+from tracetrain.store.db import make_engine
+
+
+@pytest.fixture
+def admitting(tiny_engine: Any, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'adm.db'}", admission="staleness",
+                            admission_wait_s=1.0, train=TrainConfig(batch_sessions=2, min_sessions=1))
+    yield running
+    running.stop()
+
+
+def _ask(gw: RunningGateway, session: str, group: str | None = None, **headers: str) -> Any:
+    client = OpenAI(base_url=gw.v1(session, group), api_key="unused", max_retries=0, default_headers=headers)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def _finish(gw: RunningGateway, *sessions: str) -> None:
+    for session in sessions:
+        posted = httpx.post(f"{gw.url}/v1/rewards", json={"session_id": session, "reward": 1.0, "final": True})
+        posted.raise_for_status()
+
+
+def test_new_sessions_wait_for_the_trainer_and_running_ones_never_do(admitting: RunningGateway) -> None:
+    gw = admitting
+    _ask(gw, "s1", "ga")
+    _ask(gw, "s2", "gb")  # two running sessions fill the limit (1 batch of 2)
+
+    began = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as refused:
+        _ask(gw, "s3", "gc")
+    assert time.monotonic() - began >= 1.0, "held for admission_wait_s before refusing"
+    assert refused.value.status_code == 429
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert refused.value.response.json()["error"]["code"] == "admission_full"
+
+    _ask(gw, "s1")  # a running session's next call is never held
+    _ask(gw, "s1-sibling", "ga")  # nor a sibling of a group admitted moments ago
+    _ask(gw, "eval-1", **{"X-Admission": "bypass"})  # nor evaluation traffic
+
+    _finish(gw, "s1", "s2", "s1-sibling")  # ready for the trainer now, still a batch's worth of work
+    with pytest.raises(openai.RateLimitError):
+        _ask(gw, "s3", "gc")
+
+    gw.gateway.admission.wait_s = 30.0
+    answered: list[float] = []
+    held = threading.Thread(target=lambda: (_ask(gw, "s3", "gc"), answered.append(time.monotonic())))
+    held.start()
+    time.sleep(1.0)
+    assert held.is_alive(), "held while the trainer has not claimed anything"
+    # A trainer in another process claims through the store; the gateway sees it on its next look.
+    with Session(make_engine(gw.gateway.config.db_url)) as db:
+        claimed_at = time.monotonic()
+        assert len(leases.claim_groups(db, trainer_id="elsewhere", want=2, lease_s=60, min_version=None,
+                                       settle_s=30)) >= 2
+    held.join(timeout=10)
+    assert answered and answered[0] - claimed_at < 2.0, "the held session started once the batch was claimed"

@@ -165,11 +165,12 @@ def _gateway_eval(url: str, n: int, split: str, out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def _policies(url: str) -> list[dict[str, Any]]:
+def _policies(url: str) -> dict[str, Any]:
+    """The gateway's `/v1/policies` listing (versions with their figures, sessions ready and set aside)."""
     try:
-        return list(httpx.get(f"{url}/v1/policies", timeout=10).json()["data"])
-    except (httpx.HTTPError, KeyError, ValueError):
-        return []
+        return dict(httpx.get(f"{url}/v1/policies", timeout=10).json())
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def _count_lines(path: Path) -> int:
@@ -195,15 +196,21 @@ def _stop(process: subprocess.Popen[bytes], grace: float = 60.0) -> None:
 def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     clock = _arm_clock()
     arm = ARMS[spec.arm]
-    budget = spec.minutes * 60
     overrides: dict[str, Any] = {"lr": spec.lr, "seed": spec.seed}
     if arm.engine == "transformers":
         overrides["publish"] = "inprocess"  # the in-process engine swaps the weights itself
     port = free_port()
     config = _write_config(out, port, free_port(), arm.engine, overrides)
+    return run_gateway(spec, arm.label, config, port, out, clock)
+
+
+def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: Callable[[], float]) -> ArmRun:
+    """`serve --train` with `config` on `port`, the demo agent for the rest of the budget, held-out
+    evaluations every `spec.eval_every` s; the run's evaluations, steps and what the trainer used."""
+    budget = spec.minutes * 60
     url = f"http://127.0.0.1:{port}"
     log, episodes_log = out / "gateway.log", out / "episodes.jsonl"
-    console.print(f"[bold]{arm.label}[/bold] seed {spec.seed} lr {spec.lr:g}: serve --train ({config}), logs {log}")
+    console.print(f"[bold]{label}[/bold] seed {spec.seed} lr {spec.lr:g}: serve --train ({config}), logs {log}")
     gateway = subprocess.Popen([sys.executable, "-m", "tracetrain.cli", "--config", str(config), "serve", "--train"],
                                stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                                preexec_fn=die_with_parent)
@@ -249,11 +256,17 @@ def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
             console.print(f"  [yellow]start-up used the whole {spec.minutes:g} min budget: no training[/yellow]")
         run.train_end_s = clock()
         evaluate()
-        policies = _policies(url)
+        listing = _policies(url)
+        policies = listing.get("data", [])
         run.steps = max((int(p["version"]) for p in policies), default=0)
         run.step_samples, run.sessions_per_step = step_sizes(policies)
         run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
         run.episodes = _count_lines(episodes_log)
+        run.trained_sessions = sum(int(p["metrics"].get("sessions", 0)) for p in policies if p.get("metrics"))
+        run.set_aside = listing.get("sessions", {}).get("set_aside", {})
+        for p in policies:
+            for age, n in (p.get("metrics") or {}).get("staleness", {}).items():
+                run.staleness[age] = run.staleness.get(age, 0) + int(n)
         run.total_s = clock()
         return run
     finally:

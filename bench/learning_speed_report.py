@@ -64,6 +64,12 @@ class ArmRun:
     optimizer: str = ""
     load: float = 0.0
     """1-minute load average just before the arm started."""
+    trained_sessions: int = 0
+    """tracetrain: sessions its steps learned from (sum of the versions' `sessions`)."""
+    set_aside: dict[str, int] = field(default_factory=dict)
+    """tracetrain: sessions its trainer left unconsumed in the store, by reason."""
+    staleness: dict[str, int] = field(default_factory=dict)
+    """tracetrain: samples trained on, by how many versions behind the trainer they were."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArmRun:

@@ -41,16 +41,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.common import OUT_DIR, ResultTable, console, machine_line, percentile, write_results
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.models import smollm2_dir
+from tracetrain.engines.publishing import Checkpoint, Publisher
 from tracetrain.engines.transformers_engine import TransformersEngine
+from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.engines.vllm import VLLMEngine
+from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 from tracetrain.engines.vllm_server import VLLMServer, find_vllm_python
-from tracetrain.trainer.publish import (
-    Checkpoint,
-    InProcessPublisher,
-    Publisher,
-    VLLMLoRAPublisher,
-    VLLMReloadPublisher,
-)
 
 SIGNATURE_TOLERANCE = 1e-3
 PROBE = SamplingParams(max_tokens=1, temperature=0.0)

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check tracetrain tests bench examples
 .venv/bin/mypy tracetrain
+.venv/bin/lint-imports  # layers: DESIGN.md decision 10
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"

@@ -60,7 +60,8 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     """How trained weights reach this engine: in-process swap, vLLM LoRA load, or vLLM reload."""
     from tracetrain.engines.transformers_engine import TransformersEngine
-    from tracetrain.trainer.publish import InProcessPublisher, VLLMLoRAPublisher, VLLMReloadPublisher
+    from tracetrain.engines.transformers_publish import InProcessPublisher
+    from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 
     mode = config.train.publish
     if mode == "none":
@@ -92,7 +93,8 @@ def serve(config: Config, *, train: bool = False) -> None:
         if train:
             from tracetrain.trainer.service import TrainerThread
 
-            gateway.services.append(TrainerThread(gateway, config.train, model_dir))
+            gateway.services.append(TrainerThread(config.train, gateway.db, model_dir, publish=gateway.publish,
+                                                  hold=gateway.hold_for_training))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
         # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the

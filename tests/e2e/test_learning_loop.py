@@ -18,9 +18,9 @@ from sqlmodel import Session, col, select
 
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
+from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.store.models import AgentSession, Call, Policy
-from tracetrain.trainer.publish import InProcessPublisher
 from tracetrain.trainer.service import TrainerThread
 
 MODEL = "tiny"
@@ -42,8 +42,8 @@ def learning_gateway(tiny_model_path: Path, tmp_path: Path, request: pytest.Fixt
 
     def attach_trainer(gw: Gateway) -> None:
         gw.publisher = InProcessPublisher(engine)
-        trainers.append(TrainerThread(gw, _train_config(tmp_path, **getattr(request, "param", {})),
-                                      tiny_model_path))
+        trainers.append(TrainerThread(_train_config(tmp_path, **getattr(request, "param", {})), gw.db,
+                                      tiny_model_path, publish=gw.publish, hold=gw.hold_for_training))
         gw.services.append(trainers[0])
 
     running = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'learn.db'}", prepare=attach_trainer)

@@ -27,17 +27,13 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from tracetrain.engines import vllm_publish  # noqa: E402
 from tracetrain.engines.base import SamplingParams, TokenDelta  # noqa: E402
+from tracetrain.engines.publishing import Checkpoint, PublishError  # noqa: E402
 from tracetrain.engines.transformers_engine import TransformersEngine  # noqa: E402
+from tracetrain.engines.transformers_publish import InProcessPublisher  # noqa: E402
 from tracetrain.engines.vllm import VLLMEngine  # noqa: E402
-from tracetrain.trainer import publish as publish_module  # noqa: E402
-from tracetrain.trainer.publish import (  # noqa: E402
-    Checkpoint,
-    InProcessPublisher,
-    PublishError,
-    VLLMLoRAPublisher,
-    VLLMReloadPublisher,
-)
+from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 vllm = pytest.mark.vllm
@@ -347,7 +343,7 @@ async def test_a_reload_failing_inside_vllm_restores_the_previous_weights(
     first_half = {k: state[k] for k in names[: len(names) // 2]}
     save_file(first_half, str(half_bad / "model-00001-of-00002.safetensors"))
     (half_bad / "model-00002-of-00002.safetensors").write_bytes(b"\x00" * 64)  # not safetensors at all
-    monkeypatch.setattr(publish_module, "check_full_checkpoint", lambda *args: None)  # let vLLM find out
+    monkeypatch.setattr(vllm_publish, "check_full_checkpoint", lambda *args: None)  # let vLLM find out
 
     with pytest.raises(PublishError, match="failed to reload weights"):
         await publisher.publish(Checkpoint(2, half_bad, "full"))

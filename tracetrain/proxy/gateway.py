@@ -12,6 +12,7 @@ from sqlmodel import Session
 
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
+from tracetrain.engines.publishing import Checkpoint, Publisher
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
@@ -23,7 +24,6 @@ from tracetrain.store import queries
 from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
-from tracetrain.trainer.publish import Checkpoint, Publisher
 
 SESSION_CACHE = 100_000
 
@@ -95,6 +95,10 @@ class Gateway:
             finally:
                 if pauses:
                     self.gate.open("publish")
+
+    def hold_for_training(self, training: bool) -> None:
+        """A `sync`-mode step in this process: close generation while it trains (event loop thread)."""
+        (self.gate.close if training else self.gate.open)("train")
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:

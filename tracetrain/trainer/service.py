@@ -6,30 +6,33 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from tracetrain.config import TrainConfig
+from tracetrain.engines.publishing import Checkpoint
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine as DBEngine
-
-    from tracetrain.proxy.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 
 class TrainerThread:
-    """The trainer in a thread of the gateway process: it publishes through the gateway's own
-    publisher on the gateway's event loop, and in `sync` mode closes generation while it steps."""
+    """The trainer in a thread of the gateway process. It publishes through `publish` (the gateway's,
+    a coroutine function run on the gateway's event loop) and in `sync` mode holds generation through
+    `hold` (called on that loop with True while a step trains, False after)."""
 
-    def __init__(self, gateway: Gateway, cfg: TrainConfig, base_dir: Path) -> None:
-        self.gateway = gateway
+    def __init__(self, cfg: TrainConfig, db: DBEngine, base_dir: Path, *,
+                 publish: Callable[[Checkpoint], Coroutine[Any, Any, None]], hold: Callable[[bool], None]) -> None:
         self.cfg = cfg
+        self.db = db
         self.base_dir = base_dir
+        self.publish_async = publish
+        self.hold = hold
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -45,18 +48,16 @@ class TrainerThread:
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         from tracetrain.trainer.loop import Trainer
-        from tracetrain.trainer.publish import Checkpoint
 
         def publish(version: int, path: Path, kind: str) -> None:
             checkpoint = Checkpoint(version, path, kind)  # type: ignore[arg-type]
-            asyncio.run_coroutine_threadsafe(self.gateway.publish(checkpoint), loop).result(timeout=600)
+            asyncio.run_coroutine_threadsafe(self.publish_async(checkpoint), loop).result(timeout=600)
 
         def gate(training: bool) -> None:
-            gate = self.gateway.gate
-            loop.call_soon_threadsafe(gate.close if training else gate.open, "train")
+            loop.call_soon_threadsafe(self.hold, training)
 
         try:
-            trainer = Trainer(self.cfg, self.gateway.db, self.base_dir, publish=publish,
+            trainer = Trainer(self.cfg, self.db, self.base_dir, publish=publish,
                               gate=gate if self.cfg.mode == "sync" else None)
             trainer.run(self.stop_event)
         except BaseException as exc:

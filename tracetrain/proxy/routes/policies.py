@@ -15,12 +15,12 @@ from pydantic import BaseModel, Field
 from sqlmodel import Session
 
 from tracetrain.engines.base import EngineError
+from tracetrain.engines.publishing import Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.store import leases, queries
 from tracetrain.store.models import Policy
-from tracetrain.trainer.publish import Checkpoint, PublishError
 
 router = APIRouter()
 

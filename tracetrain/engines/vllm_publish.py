@@ -1,149 +1,40 @@
-"""Publishing a trained checkpoint to the engine that serves agents, while they keep running.
-
-The trainer writes one directory per version: a complete Hugging Face model for full fine-tuning
-(`config.json`, `*.safetensors`, tokenizer files), or a PEFT adapter for LoRA (`adapter_config.json`,
-`adapter_model.safetensors`, from peft's `save_pretrained`). A `Publisher` makes the engine serve it:
+"""Publishing to a vLLM server while agents keep running.
 
 - `VLLMLoRAPublisher`: `POST /v1/load_lora_adapter` under a new name per version, then the engine
   names that adapter in new requests. Requests already sent keep their adapter, so nothing waits.
 - `VLLMReloadPublisher`: full weights in place: `POST /pause?mode=wait` (in-flight requests finish on
   the old weights, new ones queue inside vLLM) → `POST /collective_rpc` `reload_weights` with
   `weights_path` pointing at the checkpoint → `POST /reset_prefix_cache` → `POST /resume`.
-- `InProcessPublisher`: the in-process transformers engine swaps its state dict between requests.
 
-Every publisher checks the checkpoint before touching the engine, and a failed publish raises
-`PublishError` with the previous version still served. This matters most for the reload: vLLM 0.32 moves
-every layer to the meta device before reading the files, so a reload that fails halfway (a missing or
-truncated file) leaves an engine that dies on its next request. The reload publisher therefore
-validates the safetensors headers against the served model first, and if vLLM still fails it reloads
-the last good weights before resuming.
+This matters most for the reload: vLLM 0.32 moves every layer to the meta device before reading the
+files, so a reload that fails halfway (a missing or truncated file) leaves an engine that dies on its
+next request. The reload publisher therefore validates the safetensors headers against the served
+model first, and if vLLM still fails it reloads the last good weights before resuming.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 
-if TYPE_CHECKING:
-    import torch
+from tracetrain.engines.publishing import (
+    Checkpoint,
+    PublishError,
+    TensorIndex,
+    check_full_checkpoint,
+    check_lora_checkpoint,
+    expect_kind,
+    model_shapes,
+)
 
-    from tracetrain.engines.transformers_engine import TransformersEngine
+if TYPE_CHECKING:
     from tracetrain.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One trained version on disk: a full model directory or a PEFT LoRA adapter directory."""
-
-    version: int
-    path: Path
-    kind: Literal["full", "lora"]
-
-
-class PublishError(Exception):
-    """A checkpoint could not be published; the engine still serves the version it served before."""
-
-
-class Publisher(Protocol):
-    async def publish(self, checkpoint: Checkpoint) -> None: ...
-
-
-# --- checkpoint checks (no torch needed) ---------------------------------------------------------------
-
-TensorIndex = dict[str, tuple[int, ...]]
-"""Tensor name -> shape, read from safetensors headers."""
-
-
-def safetensors_shapes(file: Path) -> TensorIndex:
-    """Names and shapes from a safetensors header, after checking the file holds all the bytes the
-    header promises (a checkpoint still being written, or cut short, fails here, not inside vLLM)."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise PublishError(f"{file} is not a safetensors file (too short)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size - 8:
-            raise PublishError(f"{file} is truncated or not a safetensors file")
-        try:
-            header: dict[str, Any] = json.loads(f.read(header_len))
-        except ValueError as exc:
-            raise PublishError(f"{file} has an unreadable safetensors header") from exc
-    header.pop("__metadata__", None)
-    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-    if 8 + header_len + end != size:
-        raise PublishError(f"{file} is truncated: {size} bytes, the header describes {8 + header_len + end}")
-    return {name: tuple(t["shape"]) for name, t in header.items()}
-
-
-def model_shapes(model_dir: Path) -> TensorIndex:
-    """Every tensor of a model directory, over all its safetensors shards."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise PublishError(f"no *.safetensors files in {model_dir}")
-    index: TensorIndex = {}
-    for file in files:
-        index.update(safetensors_shapes(file))
-    return index
-
-
-def check_full_checkpoint(path: Path, reference: TensorIndex) -> None:
-    """A full checkpoint must hold exactly the served model's tensors, with the same shapes: vLLM would
-    keep the old values of missing tensors without failing, serving a mix of two versions."""
-    if not path.is_dir():
-        raise PublishError(f"checkpoint directory {path} does not exist")
-    if not (path / "config.json").exists():
-        raise PublishError(f"{path} has no config.json: not a full model checkpoint")
-    shapes = model_shapes(path)
-    missing = sorted(reference.keys() - shapes.keys())
-    extra = sorted(shapes.keys() - reference.keys())
-    wrong = sorted(k for k in reference.keys() & shapes.keys() if reference[k] != shapes[k])
-    if missing or extra or wrong:
-        raise PublishError(
-            f"{path} does not match the served model: missing {missing[:3]}, unexpected {extra[:3]}, "
-            f"wrong shapes {[(k, shapes[k], reference[k]) for k in wrong[:3]]}"
-        )
-
-
-def check_lora_checkpoint(path: Path) -> dict[str, Any]:
-    """A PEFT LoRA adapter directory; returns its adapter config."""
-    config_file = path / ADAPTER_CONFIG
-    if not config_file.exists():
-        raise PublishError(f"{path} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
-    try:
-        config: dict[str, Any] = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise PublishError(f"{config_file} is not valid JSON") from exc
-    if config.get("peft_type") != "LORA":
-        raise PublishError(f"{path} is a {config.get('peft_type')!r} adapter, not LoRA")
-    weights = [path / name for name in ADAPTER_WEIGHTS if (path / name).exists()]
-    if not weights:
-        raise PublishError(f"{path} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
-    if weights[0].suffix == ".safetensors":
-        safetensors_shapes(weights[0])
-    return config
-
-
-def _expect_kind(checkpoint: Checkpoint, kind: str, publisher: str) -> None:
-    if checkpoint.kind != kind:
-        raise PublishError(f"{publisher} publishes {kind} checkpoints, got a {checkpoint.kind} one "
-                           f"(version {checkpoint.version} at {checkpoint.path})")
-
-
-# --- vLLM ------------------------------------------------------------------------------------------
 
 
 def _control_client(engine: VLLMEngine, timeout: float) -> httpx.AsyncClient:
@@ -188,7 +79,7 @@ class VLLMLoRAPublisher:
         return f"{self.prefix}-v{version}"
 
     async def publish(self, checkpoint: Checkpoint) -> None:
-        _expect_kind(checkpoint, "lora", type(self).__name__)
+        expect_kind(checkpoint, "lora", type(self).__name__)
         check_lora_checkpoint(checkpoint.path)
         name = self.adapter_name(checkpoint.version)
         async with self._lock, _control_client(self.engine, self.timeout) as client:
@@ -267,7 +158,7 @@ class VLLMReloadPublisher:
         self._lock = asyncio.Lock()
 
     async def publish(self, checkpoint: Checkpoint) -> None:
-        _expect_kind(checkpoint, "full", type(self).__name__)
+        expect_kind(checkpoint, "full", type(self).__name__)
         if self._reference is None:
             self._reference = model_shapes(self.server_model_dir)
         check_full_checkpoint(checkpoint.path, self._reference)
@@ -353,75 +244,3 @@ async def _post_retrying(client: httpx.AsyncClient, path: str, attempts: int = 3
                 raise
             await asyncio.sleep(0.2)
     raise AssertionError("unreachable")
-
-
-# --- in-process ------------------------------------------------------------------------------------
-
-
-class InProcessPublisher:
-    """Publishes to the in-process `TransformersEngine`: loads the checkpoint as a state dict off the
-    event loop, then `swap_weights` applies it between two requests, so requests in flight finish on the
-    old version and no request fails.
-
-    LoRA adapters are deltas on the base model, so they are merged into a fresh copy of the base
-    weights (`base_model_dir`, by default the directory the engine was loaded from), never into
-    whatever version is being served.
-    """
-
-    def __init__(self, engine: TransformersEngine, *, base_model_dir: str | Path | None = None) -> None:
-        self.engine = engine
-        base = base_model_dir or engine.model.name_or_path
-        if not base:
-            raise ValueError("the engine's model has no directory: pass base_model_dir")
-        self.base_model_dir = Path(base)
-        self._lock = asyncio.Lock()
-
-    async def publish(self, checkpoint: Checkpoint) -> None:
-        async with self._lock:
-            state_dict = await asyncio.to_thread(self.load_state_dict, checkpoint)
-            try:
-                await self.engine.swap_weights(state_dict, checkpoint.version)
-            except (ValueError, RuntimeError) as exc:
-                raise PublishError(f"swapping in version {checkpoint.version} failed: {exc}") from exc
-        log.info("serving version %d (%s) from %s", checkpoint.version, checkpoint.kind, checkpoint.path)
-
-    def load_state_dict(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
-        """The full state dict the engine should serve for `checkpoint` (runs in a worker thread)."""
-        try:
-            if checkpoint.kind == "full":
-                return self._load_full(checkpoint.path)
-            return self._merge_lora(checkpoint.path)
-        except PublishError:
-            raise
-        except Exception as exc:  # torch, safetensors and peft raise many kinds
-            raise PublishError(f"loading version {checkpoint.version} from {checkpoint.path}: "
-                               f"{type(exc).__name__}: {exc}") from exc
-
-    def _load_full(self, path: Path) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        reference = {k: tuple(v.shape) for k, v in self.engine.model.state_dict().items()}
-        shapes = model_shapes(path) if path.is_dir() else {}
-        if not shapes:
-            raise PublishError(f"checkpoint directory {path} does not exist")
-        _check_known(shapes, reference, path)
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            state.update(load_file(str(file)))
-        return state
-
-    def _merge_lora(self, path: Path) -> dict[str, torch.Tensor]:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        check_lora_checkpoint(path)
-        dtype = next(self.engine.model.parameters()).dtype
-        base = AutoModelForCausalLM.from_pretrained(str(self.base_model_dir), dtype=dtype)
-        merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
-        return {k: v.detach() for k, v in merged.state_dict().items()}
-
-
-def _check_known(shapes: TensorIndex, reference: Mapping[str, tuple[int, ...]], path: Path) -> None:
-    unknown = sorted(k for k in shapes if k not in reference or reference[k] != shapes[k])
-    if unknown:
-        raise PublishError(f"{path} does not fit the served model: unknown or wrong-shaped {unknown[:3]}")

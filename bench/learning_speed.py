@@ -200,7 +200,7 @@ def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     if arm.engine == "transformers":
         overrides["publish"] = "inprocess"  # the in-process engine swaps the weights itself
     port = free_port()
-    config = _write_config(out, port, free_port(), arm.engine, overrides)
+    config = _write_config(out, port, free_port(), arm.engine, {"train": overrides})
     return run_gateway(spec, arm.label, config, port, out, clock)
 
 

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tracetrain.config import Config, load_config
+from tracetrain.config import Config, load_config, parse_set
 
 log = logging.getLogger("tracetrain")
 
@@ -115,6 +115,19 @@ def _redacted(config: Config) -> dict[str, Any]:
     return values
 
 
+def _check_trainer(config: Config) -> None:
+    """Unknown algorithm names fail now, with the names verl knows, not after vLLM has started."""
+    try:
+        from tracetrain.trainer.algorithms.verl_ops import check_names
+    except ImportError as exc:
+        raise SystemExit(f"training needs the train extra ({exc.name} is missing): pip install 'tracetrain[train]'") \
+            from exc
+    try:
+        check_names(config.train)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error: {exc}") from exc
+
+
 def train_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store.db import make_engine
     from tracetrain.trainer.service import run_standalone
@@ -150,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     train_p.add_argument("--gateway-url", help="gateway that publishes each new version (admin key needed)")
     for p in (serve_p, train_p):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="any config field, dotted for nested ones: --set train.lr=1e-4 (repeatable)")
+                       help="any setting: train.lr=1e-4, or lr=1e-4 for a trainer-only name; admission=staleness "
+                            "(repeatable; the same keys in every subcommand)")
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
     export_p.add_argument("--db-url")
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
@@ -170,32 +184,17 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     skip = ("config", "command", "format", "out", "train", "gateway_url", "set")
     overrides = {k: v for k, v in vars(args).items() if k not in skip}
-    config = load_config(args.config, **_nested(getattr(args, "set", [])), **overrides)
+    config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
+    if args.command == "train" or (args.command == "serve" and args.train):
+        _check_trainer(config)
     if args.command == "serve":
         serve(config, train=args.train)
     elif args.command == "train":
         train_cmd(args, config)
     elif args.command == "export":
         export_cmd(args, config)
-
-
-def _nested(assignments: list[str]) -> dict[str, Any]:
-    """['train.lr=1e-4', 'port=9000'] -> {'train': {'lr': 0.0001}, 'port': 9000} (values parsed as YAML)."""
-    import yaml
-
-    result: dict[str, Any] = {}
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep:
-            raise SystemExit(f"--set needs KEY=VALUE, got {assignment!r}")
-        *parents, leaf = key.split(".")
-        node = result
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = yaml.safe_load(raw)
-    return result
 
 
 if __name__ == "__main__":

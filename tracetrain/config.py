@@ -4,17 +4,26 @@
 from __future__ import annotations
 
 import ipaddress
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 
 class TrainConfig(BaseModel):
     """The learning loop. Algorithm names come from verl's registries (your own registered ones too)."""
 
+    plugins: list[str] = Field(default_factory=list)
+    """Modules imported before the trainer starts: register your own verl estimators and losses there
+    (`core_algos.register_adv_est`, `register_policy_loss`)."""
     algorithm: Literal["rl", "sft", "dpo"] = "rl"
     """`rl`: advantages + policy loss; `sft`: imitate trajectories with reward >= sft_min_reward;
     `dpo`: best vs worst of each group."""
@@ -107,6 +116,15 @@ class TrainConfig(BaseModel):
 class Config(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid")
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest first: explicit values (CLI flags), environment, the YAML file given to `load_config`."""
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls, yaml_file=_YAML_FILE.get())
+
     host: str = "127.0.0.1"
     """Address the gateway binds. Anything but loopback requires API keys."""
     port: int = 8000
@@ -189,21 +207,37 @@ class Config(BaseSettings):
             )
 
 
+_YAML_FILE: ContextVar[Path | None] = ContextVar("tracetrain_yaml_file", default=None)
+"""The YAML file `load_config` reads (a context variable: pydantic-settings builds sources per class)."""
+
+
 def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:
-    """YAML values sit below environment variables, which sit below explicit overrides (CLI flags)."""
-    file_values: dict[str, Any] = {}
-    if yaml_path is not None:
-        file_values = yaml.safe_load(yaml_path.read_text()) or {}
-    env_values = Config().model_dump(exclude_unset=True)
-    merged = _deep_merge(_deep_merge(file_values, env_values), {k: v for k, v in overrides.items() if v is not None})
-    return Config(**merged)
+    """Defaults < YAML file < `TRACETRAIN_…` environment < `overrides` (CLI flags, nested dicts merge)."""
+    token = _YAML_FILE.set(yaml_path)
+    try:
+        return Config(**{k: v for k, v in overrides.items() if v is not None})
+    finally:
+        _YAML_FILE.reset(token)
 
 
-def _deep_merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(low)
-    for key, value in high.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+def parse_set(assignments: list[str]) -> dict[str, Any]:
+    """`--set` flags, the same keys in every subcommand: dotted for nested fields (`train.lr=1e-4`), and a
+    bare name that only the trainer has stands for its `train.` key (`lr=1e-4`). Values parse as YAML.
+    Unknown names are refused here, before any work."""
+    result: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set needs KEY=VALUE, got {assignment!r}")
+        path = key.split(".")
+        if len(path) == 1 and key not in Config.model_fields and key in TrainConfig.model_fields:
+            path = ["train", key]
+        known = Config.model_fields if path[0] != "train" or len(path) == 1 else TrainConfig.model_fields
+        if path[-1] not in known or len(path) > 2 or (len(path) == 2 and path[0] != "train"):
+            raise SystemExit(f"--set {key}: no such setting (gateway settings: {', '.join(Config.model_fields)}; "
+                             f"trainer settings, bare or as train.NAME: {', '.join(TrainConfig.model_fields)})")
+        node = result
+        for parent in path[:-1]:
+            node = node.setdefault(parent, {})
+        node[path[-1]] = yaml.safe_load(raw)
+    return result

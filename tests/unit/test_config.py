@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tracetrain.config import Config, load_config
+from tracetrain.config import Config, load_config, parse_set
 
 
 def test_precedence_yaml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,14 +44,22 @@ def test_other_addresses_need_keys() -> None:
 
 
 def test_nested_train_settings_merge_across_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tracetrain.cli import _nested
-
     path = tmp_path / "tt.yaml"
-    path.write_text("train:\n  advantage: rloo\n  lr: 0.001\n")
+    path.write_text("train:\n  advantage: rloo\n  lr: 0.001\n  batch_sessions: 24\n")
     monkeypatch.setenv("TRACETRAIN_TRAIN__MAX_STALENESS", "5")
-    config = load_config(path, **_nested(["train.lr=1e-4", "train.lora=true"]))
+    monkeypatch.setenv("TRACETRAIN_TRAIN__BATCH_SESSIONS", "20")
+    config = load_config(path, **parse_set(["train.lr=1e-4", "lora=true", "admission=staleness"]))
     assert (config.train.advantage, config.train.lr, config.train.lora, config.train.max_staleness) == \
         ("rloo", 1e-4, True, 5)
+    assert config.train.batch_sessions == 20 and config.admission == "staleness"
+
+
+def test_set_takes_the_same_keys_everywhere_and_refuses_unknown_ones() -> None:
+    config = Config(**parse_set(["lr=1e-4", "train.lora=true", "port=9001"]))
+    assert (config.train.lr, config.train.lora, config.port) == (1e-4, True, 9001)
+    for bad in ("nosuch=1", "train.nosuch=1", "train", "db.url=x", "train.lr.x=1"):
+        with pytest.raises(SystemExit, match="no such setting|KEY=VALUE"):
+            parse_set([bad])
 
 
 def test_batch_and_admission_combinations_are_checked_when_the_config_loads() -> None:

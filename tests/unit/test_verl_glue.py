@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -106,3 +110,30 @@ def test_collate_shifts_mask_and_logprobs_onto_targets() -> None:
     assert mb.mask.tolist() == [[0, 1, 1], [1, 0, 0]]  # target 12 and 13 were sampled; 11 in row 2
     assert mb.behaviour_logprobs.tolist() == [[0.0, -0.5, -0.5], [-0.5, 0.0, 0.0]]
     assert mb.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_unknown_algorithm_names_are_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for field, value in (("advantage", "nosuch"), ("policy_loss", "nosuch"), ("loss_agg_mode", "nosuch"),
+                         ("plugins", ["no_such_module_here"])):
+        with pytest.raises(ValueError, match=f"train.{field}"):
+            verl_ops.check_names(TrainConfig(**{field: value}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="train.kl_type"):
+        verl_ops.check_names(TrainConfig(kl_coef=0.1, kl_type="nosuch"))
+    verl_ops.check_names(TrainConfig(kl_coef=0.1, kl_type="low_var_kl+", advantage="rloo", policy_loss="gspo"))
+
+    # a user's own estimator, registered in a plugin module, is accepted by name
+    (tmp_path / "my_algos.py").write_text(
+        "from verl.trainer.ppo import core_algos\n\n\n"
+        "@core_algos.register_adv_est('my_estimator_for_tests')\n"
+        "def my_estimator(token_level_rewards, response_mask, **kwargs):\n"
+        "    return token_level_rewards, token_level_rewards\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    verl_ops.check_names(TrainConfig(plugins=["my_algos"], advantage="my_estimator_for_tests"))
+
+
+def test_the_train_command_refuses_an_unknown_name_before_loading_anything(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "tracetrain.cli", "train", "--db-url", f"sqlite:///{tmp_path}/x.db",
+                             "--set", "advantage=nosuch"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "train.advantage: 'nosuch' is not registered with verl" in result.stderr
+    assert "Traceback" not in result.stderr

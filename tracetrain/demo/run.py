@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from tracetrain.config import parse_set
 from tracetrain.engines.vllm_server import die_with_parent
 
 AGENT = [sys.executable, "-m", "tracetrain.demo.arithmetic"]
@@ -53,9 +54,11 @@ answers (bench/results/demo_seeds_grpo.md), none of the rloo runs did (bench/res
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:
+    """The demo's config file: its gateway and training settings under `overrides` (`parse_set`'s shape)."""
+    train = {**DEMO_TRAINING, "checkpoint_dir": str((out / "checkpoints").resolve()), **overrides.get("train", {})}
     config = {"port": port, "vllm_port": vllm_port, "engine": engine, "log_level": "INFO",
               "db_url": f"sqlite:///{(out / 'store.db').resolve()}",
-              "train": {**DEMO_TRAINING, "checkpoint_dir": str((out / "checkpoints").resolve()), **overrides}}
+              **{k: v for k, v in overrides.items() if k != "train"}, "train": train}
     path = out / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the agents' training stream and the trainer (the held-out set is fixed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="trainer setting, e.g. --set lr=1e-4 --set lora=false")
+                        help="any setting, as in `serve --set`: lr=1e-4 (or train.lr=1e-4), admission=staleness")
     args = parser.parse_args(argv)
     try:  # the agent speaks the OpenAI SDK; the trainer needs torch, peft and verl
         import matplotlib  # noqa: F401
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     from tracetrain.demo import arithmetic
 
     args.out.mkdir(parents=True, exist_ok=True)
-    overrides = {"seed": args.seed, **{k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.set)}}
+    overrides = parse_set(args.set)
+    overrides["train"] = {"seed": args.seed, **overrides.get("train", {})}
     config = _write_config(args.out, args.port, args.vllm_port, args.engine, overrides)
     url = f"http://127.0.0.1:{args.port}"
     log = args.out / "gateway.log"

@@ -7,12 +7,15 @@ over the whole packed sequence; `mask` is 1 on sampled tokens (the loss mask shi
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig, PolicyLossConfig
+
+from tracetrain.config import TrainConfig
 
 GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg", "gdpo"}
 """Estimators whose baseline comes from other samples of the same group: groups of one get the
@@ -86,3 +89,34 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, config: ActorConfig) -> 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
     return core_algos.kl_penalty(logprobs, ref_logprobs, kind)  # type: ignore[arg-type]
 
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Refuse unknown algorithm names before any model loads, naming what the registries hold. The
+    modules in `cfg.plugins` are imported first: that is where users call `register_adv_est` and
+    `register_policy_loss`."""
+    for module in cfg.plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"train.plugins: cannot import {module!r}: {exc}") from exc
+    if cfg.algorithm != "rl":
+        return
+    known = {"train.advantage": (cfg.advantage, core_algos.ADV_ESTIMATOR_REGISTRY, "register_adv_est"),
+             "train.policy_loss": (cfg.policy_loss, core_algos.POLICY_LOSS_REGISTRY, "register_policy_loss")}
+    for field, (name, registry, register) in known.items():
+        if name not in registry:
+            raise ValueError(f"{field}: {name!r} is not registered with verl (known: {', '.join(sorted(registry))}); "
+                             f"register your own with core_algos.{register} in a module listed in train.plugins")
+    probe, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    try:  # verl's own functions decide what they accept
+        core_algos.agg_loss(probe, mask, cfg.loss_agg_mode)
+    except (NotImplementedError, ValueError) as exc:
+        raise ValueError(f"train.loss_agg_mode: {cfg.loss_agg_mode!r} is not a verl aggregation mode "
+                         "(token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm)") from exc
+    if cfg.kl_coef > 0:
+        try:
+            core_algos.kl_penalty(probe, probe, cfg.kl_type)  # type: ignore[arg-type]
+        except (NotImplementedError, ValueError) as exc:
+            raise ValueError(f"train.kl_type: {cfg.kl_type!r} is not a verl kl_penalty kind "
+                             "(kl, abs, mse, low_var_kl, full; '+' for straight-through)") from exc

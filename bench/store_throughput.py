@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -132,20 +131,12 @@ _SESSIONS = AgentSession.__table__  # type: ignore[attr-defined]
 
 
 def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], None]:
-    """The chat route's write (tracetrain/proxy/routes/chat.py `_record`): the same rows through
-    SQLAlchemy Core, with `seq` kept in memory by the gateway: two statements, no ORM unit of work, no reads."""
+    """The serving core's write (`tracetrain.store.queries.record_calls`, called by proxy/serving.py
+    `record`), with `seq` kept in memory by the gateway: two Core statements, no ORM unit of work, no reads."""
     row = {column.name: getattr(call, column.name) for column in _CALLS.columns}
     row["seq"] = seq
-
-    def write(db: Session) -> None:
-        now = utcnow()
-        if seq == 0:
-            queries.add_session_if_absent(db, session=AgentSession(id=session_id, group_id="bench", owner=None))
-        else:
-            db.execute(update(_SESSIONS).where(_SESSIONS.c.id == session_id).values(updated_at=now))
-        db.execute(insert(_CALLS), row)
-
-    return write
+    new = AgentSession(id=session_id, group_id="bench", owner=None) if seq == 0 else None
+    return lambda db: queries.record_calls(db, session_id=session_id, new_session=new, rows=[row])
 
 
 WRITES = {"orm": "earlier ORM write", "core": "chat route's Core write"}

@@ -54,13 +54,21 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+FIELD_CODES = {"tools": "invalid_tools", "tool_choice": "invalid_tool_choice",
+               "response_format": "invalid_response_format"}
+"""Error codes for fields whose shape has its own code in OpenAI's errors; other fields: invalid_value."""
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) of the first validation error. Union members pydantic names in the
+    location (`literal['none','auto']`, `NamedToolChoice`) are left out of the param."""
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return f"Request body is not valid JSON: {first.get('msg', '')}", None
-    where = ".".join(loc) or "body"
-    return f"Invalid value for '{where}': {first.get('msg', 'invalid')}", where
+        return f"Request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json"
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(p for p in loc if not (p[:1].isupper() or "[" in p)) or "body"
+    code = FIELD_CODES.get(loc[0], "invalid_value") if loc else "invalid_value"
+    return f"Invalid value for '{where}': {first.get('msg', 'invalid')}", where, code
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -74,8 +82,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe_validation(exc)
-        code = "invalid_json" if message.startswith("Request body is not valid JSON") else "invalid_value"
+        message, param, code = _describe_validation(exc)
         return error_response(400, message, code, param)
 
     @app.exception_handler(json.JSONDecodeError)

@@ -6,7 +6,7 @@ Unknown fields are accepted and ignored (clients send many); known fields are ty
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,6 +22,55 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")]
 
 
 class ChatCompletionRequest(BaseModel):
@@ -40,8 +89,10 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    """Checked against `ChatTool`, kept as sent: the chat template renders them, and a reordered key
+    would change the prompt."""
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
 
@@ -51,6 +102,58 @@ class ChatCompletionRequest(BaseModel):
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop sequences")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_shapes(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in value or []:
+            ChatTool.model_validate(tool)
+        return value
+
+    def functions(self) -> dict[str, dict[str, Any] | None]:
+        """The tools' functions: name -> parameter schema."""
+        tools = [ChatTool.model_validate(t) for t in self.tools or []]
+        return {t.function.name: t.function.parameters for t in tools}
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    """The assistant message: `content` and/or `tool_calls`."""
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    policy_version: int
+    """The policy version that produced the reply (also in the `X-Policy-Version` header)."""
+    session_id: str
 
 
 class RewardRequest(BaseModel):

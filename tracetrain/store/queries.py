@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from sqlalchemy import insert, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Call, Policy, Reward
+from tracetrain.store.models import AgentSession, Call, Policy, Reward, utcnow
 
 
 def get_session(db: Session, *, session_id: str) -> AgentSession | None:
@@ -71,3 +73,13 @@ def latest_call_id(db: Session, *, session_id: str) -> str | None:
 
 def list_policies(db: Session) -> Sequence[Policy]:
     return db.exec(select(Policy).order_by(col(Policy.version))).all()
+
+
+def record_calls(db: Session, *, session_id: str, new_session: AgentSession | None, rows: list[dict[str, Any]]) -> None:
+    """The serving core's write for one request: its session (inserted if new, else touched) and one
+    call row per choice. Core statements, not ORM objects: this runs once per call in the single writer."""
+    if new_session is not None:
+        add_session_if_absent(db, session=new_session)
+    else:
+        db.execute(update(AgentSession).where(col(AgentSession.id) == session_id).values(updated_at=utcnow()))
+    db.execute(insert(Call), rows)

@@ -1,0 +1,245 @@
+"""The serving core, the same for every API: bind → admit → chain → generate → record.
+
+An API adapter (routes/chat.py, and the Responses, Messages and completions adapters to come) turns
+its request into a `CallSpec`: canonical chat messages, tools, sampling parameters, a decoding
+constraint, the session binding and what to keep of the original request. The core builds the
+exact prompt ids (extending the session's token chain), lets the choices generate, parses each reply
+into a canonical assistant message, and records the call. It knows no response format: adapters
+shape what the client sees. The answer (a stream's last event) leaves only after the record is
+committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracetrain.engines.base import SamplingParams
+from tracetrain.proxy.binding import Binding, prompt_group
+from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
+from tracetrain.proxy.constraints import Constraint
+from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_forced_call, parse_reply
+from tracetrain.store import queries
+from tracetrain.store.codec import encode_floats, encode_ids
+from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call
+
+
+@dataclass
+class CallSpec:
+    """One API request in the core's terms."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    """Canonical chat messages (render.canonical_message)."""
+    tools: list[dict[str, Any]] | None
+    tools_enabled: bool
+    """False when the request forbids tool calls (`tool_choice: none`): replies are plain text."""
+    params: SamplingParams
+    constraint: Constraint | None
+    n: int
+    binding: Binding
+    completion_id: str
+    """The id the client sees (`chatcmpl-…`); calls are `<id>-<choice>`."""
+    request_messages: list[dict[str, Any]]
+    """The request's messages as the client sent them, stored with the call."""
+    bypass_admission: bool = False
+
+
+@dataclass
+class Choice:
+    """One sampled choice as it accumulates."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    """Characters of visible text an adapter has streamed so far."""
+    finish_reason: str | None = None
+    version: int | None = None
+    forced_prefix: str = ""
+    """The tool-call opener put in the prompt for a forced call: the sampled text continues it."""
+
+    def visible_text(self, tools_enabled: bool) -> str:
+        """Text safe to stream now: with tools on, hold back anything that may open a tool call."""
+        if self.forced_prefix:
+            return ""
+        if not tools_enabled:
+            return self.text
+        start = self.text.find(TOOL_CALL_OPEN)
+        if start >= 0:
+            return self.text[:start]
+        for k in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
+            if self.text.endswith(TOOL_CALL_OPEN[:k]):
+                return self.text[:-k]
+        return self.text
+
+
+@dataclass
+class Turn:
+    """Everything about one request that generating and recording it needs."""
+
+    spec: CallSpec
+    session_id: str
+    group_id: str
+    new_session: bool
+    owner: str | None
+    plan: PromptPlan
+    parent: ChainNode | None
+    version: int
+    started: float
+    choices: list[Choice]
+
+
+async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool) -> Turn:
+    """Bind the session (refusing another key's), admit it if new, and plan its exact prompt ids."""
+    gw.check_model(spec.model)
+    session_id = spec.binding.session_id or spec.completion_id
+    stored = await gw.session_info(session_id) if spec.binding.session_id else None
+    if stored is not None and not (admin or stored.owner == owner):
+        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
+    group_id = spec.binding.group_id or (stored.group_id if stored else prompt_group(spec.messages))
+    if stored is None:
+        # Siblings are admitted together only in groups the agent named; a prompt-hash group can be
+        # every session of an agent that asks the same thing.
+        await gw.admission.admit(session_id, spec.binding.group_id, bypass=spec.bypass_admission)
+    else:
+        gw.admission.touch(session_id)
+    parent = None
+    if stored is not None:
+        parent = await gw.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
+    plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent,
+                       session_has_calls=stored is not None)
+    if plan.parent_id is None and stored is not None:
+        plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
+    forced = spec.constraint.forced_prefix if spec.constraint else ""
+    if forced:
+        plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
+    return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
+                owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
+                started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)])
+
+
+async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
+    """Sample one choice into `choice`, calling `on_delta` after each piece."""
+    await gw.gate.wait()
+    turn.version = gw.engine.version
+    params = turn.spec.params
+    if params.seed is not None and choice.index:
+        params = SamplingParams(**{**params.__dict__, "seed": params.seed + choice.index})
+    async with asyncio.timeout(gw.config.engine_timeout_s):
+        async for delta in gw.engine.generate(turn.plan.prompt_ids, params):
+            choice.token_ids += delta.token_ids
+            choice.logprobs += delta.logprobs
+            choice.top_logprobs += delta.top_logprobs or []
+            choice.text += delta.text
+            if delta.version is not None and choice.version is None:
+                choice.version = turn.version = delta.version
+            if delta.finish_reason:
+                choice.finish_reason = delta.finish_reason
+            if on_delta is not None:
+                on_delta()
+
+
+async def generate_all(gw: Gateway, turn: Turn) -> list[dict[str, Any]]:
+    """Every choice to the end, then the canonical replies, recorded."""
+    await asyncio.gather(*(generate(gw, turn, c) for c in turn.choices))
+    replies = [reply_message(turn, c) for c in turn.choices]
+    await record(gw, turn, replies)
+    return replies
+
+
+def reply_message(turn: Turn, choice: Choice) -> dict[str, Any]:
+    """The finished choice as a canonical assistant message (content and/or tool calls)."""
+    if choice.forced_prefix:
+        calls = parse_forced_call(choice.text)
+        # Cut off by max_tokens, no call: report what the model saw and wrote.
+        content = "" if calls else choice.forced_prefix + choice.text
+    else:
+        content, calls = parse_reply(choice.text, tools_enabled=turn.spec.tools_enabled and bool(turn.spec.tools))
+    message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def finish_reason(choice: Choice, message: dict[str, Any]) -> str:
+    """OpenAI's finish reasons: `tool_calls` when the reply calls tools, else the engine's."""
+    return "tool_calls" if message.get("tool_calls") else (choice.finish_reason or "stop")
+
+
+async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None:
+    """Commit the session (if new) and one call per choice; return once durable."""
+    plan, spec = turn.plan, turn.spec
+    prompt_delta = plan.prompt_ids[plan.prefix_len :]
+    latency_ms = (time.perf_counter() - turn.started) * 1000
+    calls: list[Call] = []
+    for choice, reply in zip(turn.choices, replies, strict=True):
+        state = history_hashes(spec.tools, [*spec.messages, canonical_message(reply)])[-1]
+        calls.append(Call(
+            id=f"{spec.completion_id}-{choice.index}", completion_id=spec.completion_id,
+            choice_index=choice.index, session_id=turn.session_id, group_id=turn.group_id, seq=0,
+            parent_id=plan.parent_id, link=plan.link, model=spec.model,
+            policy_version=turn.version if choice.version is None else choice.version,
+            finish_reason=finish_reason(choice, reply), prefix_len=plan.prefix_len,
+            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(choice.token_ids),
+            latency_ms=latency_ms, owner=turn.owner, state_hash=state,
+            prompt_ids=encode_ids(prompt_delta), completion_ids=encode_ids(choice.token_ids),
+            completion_logprobs=encode_floats(choice.logprobs), messages=spec.request_messages,
+            response_message=reply, request_params=dict(spec.params.__dict__),
+        ))
+
+    known = None if turn.new_session else await gw.session_info(turn.session_id)
+    seq = (known or gw.new_session(turn.session_id, turn.owner, turn.group_id)).take_seq()
+    rows = [{**call.model_dump(), "seq": seq} for call in calls]
+    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner) if turn.new_session else None
+    await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
+                                                           rows=rows))
+    if turn.new_session:
+        gw.metrics.sessions.inc()
+    gw.remember_calls(calls, [plan.prompt_ids + c.token_ids for c in turn.choices], len(spec.messages) + 1)
+    if turn.parent is not None and plan.link in CHAINED_LINKS:
+        turn.parent.has_child = True
+    gw.metrics.tokens.labels("prompt").inc(len(plan.prompt_ids))
+    gw.metrics.tokens.labels("completion").inc(sum(len(c.token_ids) for c in turn.choices))
+
+
+class StreamRun:
+    """The choices of a streamed request, generating concurrently and reporting through one queue."""
+
+    def __init__(self, gw: Gateway, turn: Turn) -> None:
+        self.events: asyncio.Queue[tuple[int, BaseException | None, bool]] = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._run(gw, turn, c)) for c in turn.choices]
+        self.first: tuple[int, BaseException | None, bool] | None = None
+
+    async def _run(self, gw: Gateway, turn: Turn, choice: Choice) -> None:
+        try:
+            await generate(gw, turn, choice, lambda: self.events.put_nowait((choice.index, None, False)))
+        except Exception as exc:
+            self.events.put_nowait((choice.index, exc, True))
+        else:
+            self.events.put_nowait((choice.index, None, True))
+
+    async def started(self) -> None:
+        """Wait for the first token, so that an engine that is down still yields a proper status."""
+        self.first = await self.events.get()
+        if self.first[1] is not None:
+            self.cancel()
+            raise self.first[1]
+
+    async def next(self) -> tuple[int, BaseException | None, bool]:
+        """(choice index, error or None, whether that choice finished)."""
+        if self.first is not None:
+            event, self.first = self.first, None
+            return event
+        return await self.events.get()
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()

@@ -222,3 +222,18 @@ def test_cli_refuses_a_public_host_without_keys(tmp_path: Path) -> None:
     assert imported and not imported & {"torch", "transformers", "uvicorn"}, "refused before loading anything"
     assert not (tmp_path / "x.db").exists()
     assert time.monotonic() - started < 60
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(keyed: RunningGateway) -> None:
+    import anthropic
+
+    def client(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=f"{keyed.url}/s/as-key", api_key=key, max_retries=0)
+
+    reply = client("agent-a").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert reply.id.startswith("msg_")
+    with pytest.raises(anthropic.AuthenticationError) as wrong:
+        client("nope").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert wrong.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    with pytest.raises(anthropic.PermissionDeniedError):  # the session belongs to agent-a
+        client("agent-b").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])

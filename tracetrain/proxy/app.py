@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tracetrain.proxy.errors import BodyTooLarge, error_response, install_error_handlers
+from tracetrain.proxy.errors import BodyTooLarge, error_for_path, install_error_handlers
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.proxy.routes import chat, generation, policies, rewards, sessions, system
+from tracetrain.proxy.routes import chat, generation, messages, policies, rewards, sessions, system
 
 
 class BodyLimit:
@@ -42,7 +42,7 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         too_large = BodyTooLarge(self.limit)
-        await error_response(413, too_large.detail, too_large.code)(scope, receive, send)
+        await error_for_path(scope["path"], 413, too_large.detail, too_large.code)(scope, receive, send)
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -57,7 +57,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="tracetrain gateway", lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in (chat, rewards, sessions, system, policies, generation):
+    for module in (chat, messages, rewards, sessions, system, policies, generation):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
     return app

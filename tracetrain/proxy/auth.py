@@ -39,7 +39,8 @@ class KeyRing:
         if self.open:
             return Caller(owner=None, admin=True)
         if not authorization or not authorization.lower().startswith("bearer "):
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                           code="missing_api_key")
         print_ = fingerprint(authorization[7:].strip())
         if self._admin is not None and hmac.compare_digest(print_, self._admin):
             return Caller(owner=print_, admin=True)
@@ -50,7 +51,9 @@ class KeyRing:
 
 def get_caller(request: Request) -> Caller:
     keys: KeyRing = request.app.state.gateway.keys
-    return keys.identify(request.headers.get("authorization"))
+    # Anthropic's SDKs send the key as `x-api-key`.
+    api_key = request.headers.get("x-api-key")
+    return keys.identify(request.headers.get("authorization") or (f"Bearer {api_key}" if api_key else None))
 
 
 def get_admin(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:

@@ -1,9 +1,9 @@
 """Which session and group a request belongs to: the most explicit source wins.
 
-URL path (/s/{session}/g/{group}/v1/…) > X-Session-Id / X-Group-Id headers > the OpenAI `user` and
-`metadata` fields. An unbound call becomes a one-call session named after its completion id. Without
-an explicit group, the group is a hash of the session's first prompt, so repeats of the same task
-meet in one group for GRPO-style baselines.
+URL path (/s/{session}/g/{group}/v1/…) > X-Session-Id / X-Group-Id headers > the body's `metadata`
+(`session_id`, `group_id`) > its `user` (Anthropic: `metadata.user_id`). An unbound call becomes a
+one-call session named after its completion id. Without an explicit group, the group is a hash of the
+session's first prompt, so repeats of the same task meet in one group for GRPO-style baselines.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import Request
 
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.protocol import ChatCompletionRequest
 
 MAX_ID_LEN = 256
 
@@ -33,15 +32,12 @@ def _check(value: str | None, what: str) -> str | None:
     return value
 
 
-def bind(request: Request, body: ChatCompletionRequest | None = None) -> Binding:
+def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str | None = None) -> Binding:
+    """`metadata` and `user` are the request body's (OpenAI `metadata`/`user`; Anthropic `metadata`
+    with its `user_id`)."""
     params = request.path_params
-    metadata = (body.metadata or {}) if body else {}
-    session = (
-        params.get("session")
-        or request.headers.get("x-session-id")
-        or metadata.get("session_id")
-        or (body.user if body else None)
-    )
+    metadata = metadata or {}
+    session = params.get("session") or request.headers.get("x-session-id") or metadata.get("session_id") or user
     group = params.get("group") or request.headers.get("x-group-id") or metadata.get("group_id")
     return Binding(_check(session, "session_id"), _check(group, "group_id"))
 

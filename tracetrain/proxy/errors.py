@@ -1,4 +1,5 @@
-"""Every error leaves the gateway in the OpenAI shape: {"error": {"message", "type", "code"}}."""
+"""Every error leaves the gateway in its API's shape: OpenAI's {"error": {"message", "type", "code",
+"param"}}, or Anthropic's {"type": "error", "error": {"type", "message"}} on the Messages API."""
 
 from __future__ import annotations
 
@@ -60,9 +61,14 @@ FIELD_CODES = {"tools": "invalid_tools", "tool_choice": "invalid_tool_choice",
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """(message, param, code) of the first validation error. Union members pydantic names in the
-    location (`literal['none','auto']`, `NamedToolChoice`) are left out of the param."""
-    first = exc.errors()[0] if exc.errors() else {}
+    """(message, param, code) of the most specific validation error. Union members pydantic names in
+    the location (`literal['none','auto']`, `NamedToolChoice`) are left out of the param."""
+    errors = exc.errors()
+    # Of a union's failed alternatives the deepest is the one the client meant (a block with a missing
+    # field, rather than "should be a string").
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    if any(e.get("type") == "json_invalid" for e in errors):
+        first = next(e for e in errors if e.get("type") == "json_invalid")
     if first.get("type") == "json_invalid":
         return f"Request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json"
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -71,28 +77,53 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
     return f"Invalid value for '{where}': {first.get('msg', 'invalid')}", where, code
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                   422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_for_path(path: str, status: int, message: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """Each API's errors in its own shape: Anthropic's for the Messages API, OpenAI's otherwise."""
+    if path.endswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+    return error_response(status, message, code, param, headers)
+
+
+def _respond(request: Request, status: int, message: str, code: str, param: str | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    return error_for_path(request.url.path, status, message, code, param, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _respond(request, exc.status, exc.message, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.status, str(exc), exc.code)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return _respond(request, exc.status, str(exc), exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = _describe_validation(exc)
-        return error_response(400, message, code, param)
+        return _respond(request, 400, message, code, param)
 
     @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_json")
+    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return _respond(request, 400, f"Request body is not valid JSON: {exc}", "invalid_json")
 
     @app.exception_handler(BodyTooLarge)
-    async def _too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
-        return error_response(413, exc.detail, exc.code)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return _respond(request, 413, exc.detail, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "http_error")
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _respond(request, exc.status_code, str(exc.detail), "http_error")

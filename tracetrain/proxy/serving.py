@@ -12,12 +12,13 @@ committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.engines.base import SamplingParams
+from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.binding import Binding, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
 from tracetrain.proxy.constraints import Constraint
@@ -208,6 +209,25 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
         turn.parent.has_child = True
     gw.metrics.tokens.labels("prompt").inc(len(plan.prompt_ids))
     gw.metrics.tokens.labels("completion").inc(sum(len(c.token_ids) for c in turn.choices))
+
+
+@contextlib.asynccontextmanager
+async def counted(gw: Gateway, stream: bool) -> AsyncIterator[None]:
+    """Count a request's outcome in the gateway's metrics (a non-streamed one's latency too; a stream's
+    is observed when it ends); an engine timeout becomes a 504 in the API's error shape."""
+    label = "true" if stream else "false"
+    started = time.perf_counter()
+    try:
+        yield
+    except TimeoutError as exc:
+        gw.metrics.requests.labels("504", label).inc()
+        raise EngineError("The engine did not answer in time.", status=504, code="engine_timeout") from exc
+    except (APIError, EngineError) as exc:
+        gw.metrics.requests.labels(str(exc.status), label).inc()
+        raise
+    gw.metrics.requests.labels("200", label).inc()
+    if not stream:
+        gw.metrics.latency.labels(label).observe(time.perf_counter() - started)
 
 
 class StreamRun:

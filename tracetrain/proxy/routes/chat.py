@@ -19,7 +19,7 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
-from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.errors import error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import (
     ChatCompletionChoice,
@@ -38,6 +38,7 @@ from tracetrain.proxy.serving import (
     Choice,
     StreamRun,
     Turn,
+    counted,
     finish_reason,
     generate_all,
     prepare,
@@ -76,7 +77,8 @@ def _spec(request: Request, body: ChatCompletionRequest, default_max_tokens: int
     return CallSpec(
         model=body.model, messages=[canonical_message(m) for m in sent],
         tools=body.tools or None, tools_enabled=body.tool_choice != "none", params=params,
-        constraint=constraint, n=body.n, binding=bind(request, body), completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+        constraint=constraint, n=body.n, binding=bind(request, metadata=body.metadata, user=body.user),
+        completion_id=f"chatcmpl-{uuid.uuid4().hex}",
         request_messages=sent,
         bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
     )
@@ -173,25 +175,14 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
 async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway
-    started = time.perf_counter()
-    stream = "true" if body.stream else "false"
-    try:
+    async with counted(gw, body.stream):
         turn = await prepare(gw, _spec(request, body, gw.config.default_max_tokens), owner=caller.owner,
                              admin=caller.admin)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            gw.metrics.requests.labels("200", stream).inc()
             return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
                                      headers=_headers(turn))
         completion = await _complete(gw, turn, body.logprobs)
-    except TimeoutError as exc:
-        gw.metrics.requests.labels("504", stream).inc()
-        raise EngineError("The engine did not answer in time.", status=504, code="engine_timeout") from exc
-    except (APIError, EngineError) as exc:
-        gw.metrics.requests.labels(str(exc.status), stream).inc()
-        raise
     response.headers.update(_headers(turn))
-    gw.metrics.requests.labels("200", stream).inc()
-    gw.metrics.latency.labels(stream).observe(time.perf_counter() - started)
     return completion

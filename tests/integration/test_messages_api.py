@@ -1,0 +1,122 @@
+"""The Anthropic Messages API through the real `anthropic` SDK: text, streaming events, a tool-use
+loop that stays one token-exact trajectory, a session mixing APIs, and bad input in Anthropic's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.support.servers import RunningGateway
+from tests.support.tool_model import ADD_TOOL, ANSWER, GREETING, QUESTION
+
+MODEL = "tool-tiny"
+GREEDY = {"temperature": 0}
+"""The SDK (2.x) no longer takes sampling parameters as arguments; the API and the gateway still do."""
+ADD = {"name": "add", "description": ADD_TOOL["function"]["description"],
+       "input_schema": ADD_TOOL["function"]["parameters"]}
+
+
+def _client(gw: RunningGateway, session: str) -> anthropic.Anthropic:
+    # ANTHROPIC_BASE_URL=…/s/{session}: the SDK appends /v1/messages
+    return anthropic.Anthropic(base_url=f"{gw.url}/s/{session}", api_key="unused", max_retries=0)
+
+
+def _session(gw: RunningGateway, session: str) -> dict[str, Any]:
+    return httpx.get(f"{gw.url}/v1/sessions/{session}").json()  # type: ignore[no-any-return]
+
+
+def test_text_reply_matches_chat_completions(tool_gateway: RunningGateway) -> None:
+    reply = _client(tool_gateway, "msg-text").messages.create(
+        model=MODEL, max_tokens=32, extra_body=GREEDY, messages=[{"role": "user", "content": GREETING[0]}])
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == GREETING[1]  # type: ignore[union-attr]
+    assert reply.stop_reason == "end_turn" and reply.usage.output_tokens > 0
+    chat = OpenAI(base_url=tool_gateway.v1("chat-text"), api_key="unused").chat.completions.create(
+        model=MODEL, temperature=0, messages=[{"role": "user", "content": GREETING[0]}])
+    assert chat.choices[0].message.content == GREETING[1]
+    (call,) = _session(tool_gateway, "msg-text")["calls"]
+    assert call["completion_id"] == reply.id and call["prompt_tokens"] == reply.usage.input_tokens
+
+
+def test_streaming_sends_anthropics_events(tool_gateway: RunningGateway) -> None:
+    client = _client(tool_gateway, "msg-stream")
+    with client.messages.stream(model=MODEL, max_tokens=32, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": GREETING[0]}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("content_block_start") == 1 and kinds.count("content_block_stop") == 1
+    assert kinds.count("text") > 3, "text arrives as it is made"
+    assert final.content[0].text == GREETING[1] and final.stop_reason == "end_turn"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_use_loop_is_one_exact_trajectory(tool_gateway: RunningGateway, stream: bool) -> None:
+    session = f"msg-tools-{stream}"
+    client = _client(tool_gateway, session)
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+
+    def ask() -> Any:
+        if not stream:
+            return client.messages.create(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=[ADD], messages=messages)
+        with client.messages.stream(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=[ADD],
+                                    messages=messages) as events:
+            return events.get_final_message()
+
+    first = ask()
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "add" and use.input == {"a": 2, "b": 3}
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+    second = ask()
+    assert second.content[0].text == ANSWER and second.stop_reason == "end_turn"
+    calls = _session(tool_gateway, session)["calls"]
+    assert [c["link"] for c in calls] == ["start", "extend"], "the tool result extends the token chain"
+    assert calls[0]["finish_reason"] == "tool_calls"
+
+
+def test_a_session_may_mix_apis(tool_gateway: RunningGateway) -> None:
+    """A chat call, then the same conversation continued over the Messages API: one trajectory."""
+    chat = OpenAI(base_url=tool_gateway.v1("mixed"), api_key="unused").chat.completions.create(
+        model=MODEL, temperature=0, tools=[ADD_TOOL], messages=[{"role": "user", "content": QUESTION}])
+    (call,) = chat.choices[0].message.tool_calls or []
+    client = _client(tool_gateway, "mixed")
+    client.messages.create(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=[ADD], messages=[
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "add",
+                                           "input": {"a": 2, "b": 3}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "5"}]}])
+    assert [c["link"] for c in _session(tool_gateway, "mixed")["calls"]] == ["start", "extend"]
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "5"}]}]}, "toolu_nope"),
+    ({"max_tokens": 8, "tools": [ADD], "tool_choice": {"type": "tool", "name": "sub"},
+      "messages": [{"role": "user", "content": "hi"}]}, "sub"),
+    ({"max_tokens": 8, "top_k": 5, "messages": [{"role": "user", "content": "hi"}]}, "top_k"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text"),
+])
+def test_bad_input_is_400_in_anthropics_error_shape(tool_gateway: RunningGateway, body: dict[str, Any],
+                                                   fragment: str) -> None:
+    response = httpx.post(f"{tool_gateway.url}/s/msg-bad/v1/messages", json={"model": MODEL, **body},
+                          headers={"anthropic-version": "2023-06-01"})
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert fragment in error["error"]["message"]
+    assert _session(tool_gateway, "msg-bad").get("calls") is None, "nothing was recorded"
+
+
+def test_unknown_model_is_not_found_for_the_sdk(tool_gateway: RunningGateway) -> None:
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        _client(tool_gateway, "msg-404").messages.create(model="claude-nope", max_tokens=8,
+                                                         messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]

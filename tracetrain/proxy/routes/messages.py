@@ -1,0 +1,192 @@
+"""POST /v1/messages: the Anthropic Messages adapter over the serving core (proxy/serving.py).
+
+Agents on the Anthropic SDK point `ANTHROPIC_BASE_URL` at the gateway (`…/s/{session}` to bind a
+session by path). Their messages become canonical chat messages, so a session's calls chain exactly as
+over Chat Completions (a session may even mix the two); replies come back as `text` and `tool_use`
+blocks, streamed with Anthropic's events; errors in Anthropic's shape (proxy/errors.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from tracetrain.engines.base import EngineError, SamplingParams
+from tracetrain.proxy.auth import CallerDep
+from tracetrain.proxy.binding import bind
+from tracetrain.proxy.constraints import forced_call
+from tracetrain.proxy.errors import APIError, anthropic_error_body
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.messages_protocol import MessageResponse, MessagesRequest, Usage, canonical_messages, chat_tools
+from tracetrain.proxy.render import canonical_message
+from tracetrain.proxy.serving import (
+    CallSpec,
+    Choice,
+    StreamRun,
+    Turn,
+    counted,
+    generate_all,
+    prepare,
+    record,
+    reply_message,
+)
+
+router = APIRouter()
+
+
+def _forced(body: MessagesRequest) -> str | None:
+    """Anthropic's tool_choice in the core's terms: `any` is `required`, `tool` names one."""
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return None
+    if choice.type == "any":
+        return "required"
+    if not choice.name:
+        raise APIError(400, "tool_choice of type 'tool' needs a 'name'.", code="invalid_tool_choice",
+                       param="tool_choice")
+    return choice.name
+
+
+def _spec(request: Request, body: MessagesRequest) -> CallSpec:
+    if body.top_k is not None:
+        raise APIError(400, "top_k is not supported by this gateway; use temperature and top_p.",
+                       code="unsupported_parameter", param="top_k")
+    constraint = forced_call({t.name: t.input_schema for t in body.tools or []}, _forced(body))
+    params = SamplingParams(
+        max_tokens=body.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, stop=list(body.stop_sequences or []), seed=None,
+        top_logprobs=0, structured_output=constraint.structured_output if constraint else None, stream=body.stream,
+    )
+    metadata = body.metadata or {}
+    sent = [m.model_dump(exclude_none=True) for m in body.messages]
+    if body.system:
+        sent.insert(0, {"role": "system", "content": body.system if isinstance(body.system, str)
+                        else [b.model_dump() for b in body.system]})
+    return CallSpec(
+        model=body.model, messages=[canonical_message(m) for m in canonical_messages(body)],
+        tools=chat_tools(body.tools), tools_enabled=not (body.tool_choice and body.tool_choice.type == "none"),
+        params=params, constraint=constraint, n=1,
+        binding=bind(request, metadata=metadata, user=metadata.get("user_id")),
+        completion_id=f"msg_{uuid.uuid4().hex}", request_messages=sent,
+        bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
+    )
+
+
+def _blocks(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": reply["content"]}] if reply.get("content") else []
+    for call in reply.get("tool_calls") or []:
+        arguments = json.loads(call["function"]["arguments"])
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
+    return blocks
+
+
+def _stop(gw: Gateway, turn: Turn, choice: Choice, reply: dict[str, Any]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). A stop that did not end on the turn-end token was a stop
+    sequence; which one is named only when there was one (the engine does not say)."""
+    if reply.get("tool_calls"):
+        return "tool_use", None
+    if choice.finish_reason == "length":
+        return "max_tokens", None
+    stops = turn.spec.params.stop
+    if stops and not (choice.token_ids and choice.token_ids[-1] == gw.renderer.turn_end_id):
+        return "stop_sequence", stops[0] if len(stops) == 1 else None
+    return "end_turn", None
+
+
+def _usage(turn: Turn) -> Usage:
+    return Usage(input_tokens=len(turn.plan.prompt_ids), output_tokens=sum(len(c.token_ids) for c in turn.choices))
+
+
+def _headers(turn: Turn) -> dict[str, str]:
+    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
+
+
+async def _complete(gw: Gateway, turn: Turn) -> MessageResponse:
+    (reply,) = await generate_all(gw, turn)
+    reason, sequence = _stop(gw, turn, turn.choices[0], reply)
+    return MessageResponse(id=turn.spec.completion_id, model=turn.spec.model, content=_blocks(reply),
+                           stop_reason=reason, stop_sequence=sequence, usage=_usage(turn))  # type: ignore[arg-type]
+
+
+def _event(kind: str, payload: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+
+
+async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[bytes]:
+    choice = turn.choices[0]
+    tools_on = turn.spec.tools_enabled and bool(turn.spec.tools)
+    message: dict[str, Any] = {
+        "id": turn.spec.completion_id, "type": "message", "role": "assistant", "model": turn.spec.model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(turn.plan.prompt_ids), "output_tokens": 0}}
+    yield _event("message_start", {"message": message})
+    text_open = False
+
+    def text(piece: str) -> list[bytes]:
+        nonlocal text_open
+        events = [] if text_open else [_event("content_block_start",
+                                               {"index": 0, "content_block": {"type": "text", "text": ""}})]
+        text_open = True
+        return [*events, _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})]
+
+    try:
+        finished = False
+        while not finished:
+            _, error, finished = await run.next()
+            if error is not None:
+                status = error.status if isinstance(error, EngineError) else 504
+                yield _event("error", {"error": anthropic_error_body(status, str(error) or "timeout")["error"]})
+                return
+            visible = choice.visible_text(tools_on)
+            if len(visible) > choice.emitted:
+                for event in text(visible[choice.emitted :]):
+                    yield event
+                choice.emitted = len(visible)
+    finally:
+        run.cancel()
+    reply = reply_message(turn, choice)
+    await record(gw, turn, [reply])
+    if len(reply.get("content") or "") > choice.emitted:
+        for event in text(reply["content"][choice.emitted :]):
+            yield event
+    index = 0
+    if text_open:
+        yield _event("content_block_stop", {"index": 0})
+        index = 1
+    for block in _blocks(reply):
+        if block["type"] != "tool_use":
+            continue
+        yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+        yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                       "partial_json": json.dumps(block["input"])}})
+        yield _event("content_block_stop", {"index": index})
+        index += 1
+    reason, sequence = _stop(gw, turn, choice, reply)
+    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                   "usage": {"output_tokens": len(choice.token_ids)}})
+    yield _event("message_stop", {})
+    gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
+
+
+@router.post("/v1/messages", response_model=MessageResponse)
+@router.post("/s/{session}/v1/messages", response_model=MessageResponse)
+@router.post("/s/{session}/g/{group}/v1/messages", response_model=MessageResponse)
+async def messages(body: MessagesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
+    gw: Gateway = request.app.state.gateway
+    async with counted(gw, body.stream):
+        turn = await prepare(gw, _spec(request, body), owner=caller.owner, admin=caller.admin)
+        if body.stream:
+            run = StreamRun(gw, turn)
+            await run.started()
+            return StreamingResponse(_stream(gw, turn, run), media_type="text/event-stream", headers=_headers(turn))
+        message = await _complete(gw, turn)
+    response.headers.update(_headers(turn))
+    return message

@@ -26,6 +26,8 @@ from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
 
 SESSION_CACHE = 100_000
+LATEST = "latest"
+"""Chain-cache key of a session's latest text-completion call (other keys are 64-hex state hashes)."""
 
 
 @dataclass
@@ -163,6 +165,24 @@ class Gateway:
                 has_child=queries.has_chained_child(db, call_id=call.id),
             )
         self.chains.put(session_id, state_hash, node)
+        return node
+
+    async def latest_node(self, session_id: str) -> ChainNode | None:
+        """The session's latest call with its whole chain (text completions extend it by token prefix)."""
+        return self.chains.get(session_id, LATEST) or await asyncio.to_thread(self._load_latest, session_id)
+
+    def remember_latest(self, session_id: str, node: ChainNode) -> None:
+        self.chains.put(session_id, LATEST, node)
+
+    def _load_latest(self, session_id: str) -> ChainNode | None:
+        with Session(self.db) as db:
+            call_id = queries.latest_call_id(db, session_id=session_id)
+            if call_id is None:
+                return None
+            by_id = {c.id: c for c in queries.session_calls(db, session_id=session_id)}
+            node = ChainNode(call_id, full_ids(by_id[call_id], by_id), 0,
+                             has_child=queries.has_chained_child(db, call_id=call_id))
+        self.chains.put(session_id, LATEST, node)
         return node
 
     def _read(self, fn: Any) -> Any:

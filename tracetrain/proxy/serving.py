@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class CallSpec:
     request_messages: list[dict[str, Any]]
     """The request's messages as the client sent them, stored with the call."""
     bypass_admission: bool = False
+    prompt_ids: list[int] | None = None
+    """Text completions: the exact prompt ids (no chat template); the call extends the session's
+    latest call when its whole chain is a prefix of them."""
 
 
 @dataclass
@@ -112,11 +116,15 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
         await gw.admission.admit(session_id, spec.binding.group_id, bypass=spec.bypass_admission)
     else:
         gw.admission.touch(session_id)
-    parent = None
-    if stored is not None:
-        parent = await gw.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
-    plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent,
-                       session_has_calls=stored is not None)
+    if spec.prompt_ids is not None:
+        parent = await gw.latest_node(session_id) if stored is not None else None
+        plan = plan_tokens(spec.prompt_ids, parent)
+    else:
+        parent = None
+        if stored is not None:
+            parent = await gw.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
+        plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent,
+                           session_has_calls=stored is not None)
     if plan.parent_id is None and stored is not None:
         plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
     forced = spec.constraint.forced_prefix if spec.constraint else ""
@@ -125,6 +133,16 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
                 started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)])
+
+
+def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
+    """A token prompt extends the session's latest call when that call's whole chain is its prefix."""
+    if latest is None:
+        return PromptPlan(prompt_ids, 0, None, "start")
+    n = len(latest.full_ids)
+    if len(prompt_ids) >= n and prompt_ids[:n] == latest.full_ids:
+        return PromptPlan(prompt_ids, n, latest.call_id, "branch" if latest.has_child else "extend")
+    return PromptPlan(prompt_ids, 0, latest.call_id, "prefix_changed")
 
 
 async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
@@ -182,7 +200,9 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     latency_ms = (time.perf_counter() - turn.started) * 1000
     calls: list[Call] = []
     for choice, reply in zip(turn.choices, replies, strict=True):
-        state = history_hashes(spec.tools, [*spec.messages, canonical_message(reply)])[-1]
+        state = (hashlib.sha256(encode_ids(plan.prompt_ids + choice.token_ids)).hexdigest()
+                 if spec.prompt_ids is not None else history_hashes(spec.tools, [*spec.messages,
+                                                                                 canonical_message(reply)])[-1])
         calls.append(Call(
             id=f"{spec.completion_id}-{choice.index}", completion_id=spec.completion_id,
             choice_index=choice.index, session_id=turn.session_id, group_id=turn.group_id, seq=0,
@@ -204,7 +224,10 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
                                                            rows=rows))
     if turn.new_session:
         gw.metrics.sessions.inc()
-    gw.remember_calls(calls, [plan.prompt_ids + c.token_ids for c in turn.choices], len(spec.messages) + 1)
+    chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
+    gw.remember_calls(calls, chains, len(spec.messages) + 1)
+    # Every call, whatever its API: a text completion in the same session extends the latest one.
+    gw.remember_latest(turn.session_id, ChainNode(calls[0].id, chains[0], 0))
     if turn.parent is not None and plan.link in CHAINED_LINKS:
         turn.parent.has_child = True
     gw.metrics.tokens.labels("prompt").inc(len(plan.prompt_ids))

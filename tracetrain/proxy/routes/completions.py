@@ -1,0 +1,210 @@
+"""POST /v1/completions: text completions over the serving core, token-exact.
+
+For agents that build their own prompts: the prompt is text (tokenized without special tokens, as
+the gateway's chat prompts are) or token ids, given to the engine as they are, no chat template. A
+session's call extends its latest call when that call's whole chain (prompt + sampled ids) is a prefix
+of the new prompt, so a growing transcript is one trajectory, exactly as over chat. `return_token_ids`
+(vLLM's extension) returns the prompt and sampled ids.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tracetrain.engines.base import EngineError, SamplingParams
+from tracetrain.proxy.auth import CallerDep
+from tracetrain.proxy.binding import bind
+from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.serving import (
+    CallSpec,
+    Choice,
+    StreamRun,
+    Turn,
+    counted,
+    generate_all,
+    prepare,
+    record,
+    reply_message,
+)
+
+router = APIRouter()
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=1, le=131072)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    return_token_ids: bool = False
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    policy_version: int
+    session_id: str
+    prompt_token_ids: list[int] | None = None
+
+
+def _prompt_ids(gw: Gateway, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    if isinstance(prompt, str):
+        return gw.renderer.encode(prompt)
+    if all(isinstance(t, int) for t in prompt):
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise APIError(400, "One prompt per request: send each prompt as its own request (its own session).",
+                       code="invalid_value", param="prompt")
+    first = prompt[0]
+    return gw.renderer.encode(first) if isinstance(first, str) else [int(t) for t in first]  # type: ignore[union-attr]
+
+
+def _spec(gw: Gateway, request: Request, body: CompletionRequest) -> CallSpec:
+    for field, unsupported in (("echo", body.echo), ("suffix", body.suffix is not None)):
+        if unsupported:
+            raise APIError(400, f"'{field}' is not supported by this gateway.", code="unsupported_parameter",
+                           param=field)
+    ids = _prompt_ids(gw, body.prompt)
+    if not ids:
+        raise APIError(400, "The prompt is empty.", code="invalid_value", param="prompt")
+    vocab = len(gw.renderer.tokenizer)
+    if any(not 0 <= t < vocab for t in ids):
+        raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", code="invalid_value", param="prompt")
+    params = SamplingParams(
+        max_tokens=body.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []), seed=body.seed,
+        top_logprobs=body.logprobs or 0, structured_output=None, stream=body.stream,
+    )
+    sent = body.prompt if isinstance(body.prompt, str) else gw.renderer.tokenizer.decode(ids)
+    return CallSpec(
+        model=body.model, messages=[], tools=None, tools_enabled=False, params=params, constraint=None, n=body.n,
+        binding=bind(request, metadata=body.metadata, user=body.user), completion_id=f"cmpl-{uuid.uuid4().hex}",
+        request_messages=[{"role": "prompt", "content": sent}], prompt_ids=ids,
+        bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
+    )
+
+
+def _logprobs(gw: Gateway, choice: Choice, start: int, end: int) -> CompletionLogprobs:
+    tops = choice.top_logprobs[start:end] if choice.top_logprobs else None
+    return CompletionLogprobs(tokens=[gw.renderer.token_text(t) for t in choice.token_ids[start:end]],
+                              token_logprobs=choice.logprobs[start:end], top_logprobs=tops)
+
+
+def _usage(turn: Turn) -> CompletionUsage:
+    completion = sum(len(c.token_ids) for c in turn.choices)
+    return CompletionUsage(prompt_tokens=len(turn.plan.prompt_ids), completion_tokens=completion,
+                           total_tokens=len(turn.plan.prompt_ids) + completion)
+
+
+def _headers(turn: Turn) -> dict[str, str]:
+    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
+
+
+async def _complete(gw: Gateway, turn: Turn, body: CompletionRequest) -> CompletionResponse:
+    await generate_all(gw, turn)
+    return CompletionResponse(
+        id=turn.spec.completion_id, created=int(time.time()), model=turn.spec.model, usage=_usage(turn),
+        choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason or "stop",
+                                  logprobs=_logprobs(gw, c, 0, len(c.token_ids)) if body.logprobs is not None else None,
+                                  token_ids=c.token_ids if body.return_token_ids else None) for c in turn.choices],
+        policy_version=turn.version, session_id=turn.session_id,
+        prompt_token_ids=turn.plan.prompt_ids if body.return_token_ids else None,
+    )
+
+
+async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: CompletionRequest) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    sent_tokens = [0] * len(turn.choices)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        payload = {"id": turn.spec.completion_id, "object": "text_completion", "created": created,
+                   "model": turn.spec.model, "choices": choices, **extra}
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    running = len(turn.choices)
+    try:
+        while running:
+            index, error, finished = await run.next()
+            if error is not None:
+                status, code = (error.status, error.code) if isinstance(error, EngineError) else (504, "timeout")
+                yield b"data: " + orjson.dumps(error_body(status, str(error) or "timeout", code)) + b"\n\n"
+                return
+            running -= finished
+            c = turn.choices[index]
+            if len(c.text) > c.emitted:
+                piece: dict[str, Any] = {"index": index, "text": c.text[c.emitted :], "finish_reason": None,
+                                         "logprobs": None}
+                if body.logprobs is not None:
+                    piece["logprobs"] = _logprobs(gw, c, sent_tokens[index], len(c.token_ids)).model_dump()
+                sent_tokens[index] = len(c.token_ids)
+                c.emitted = len(c.text)
+                yield chunk([piece])
+    finally:
+        run.cancel()
+    await record(gw, turn, [reply_message(turn, c) for c in turn.choices])
+    for c in turn.choices:
+        yield chunk([{"index": c.index, "text": "", "finish_reason": c.finish_reason or "stop", "logprobs": None,
+                      **({"token_ids": c.token_ids} if body.return_token_ids else {})}], policy_version=turn.version)
+    gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
+    yield b"data: [DONE]\n\n"
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/s/{session}/v1/completions", response_model=CompletionResponse)
+@router.post("/s/{session}/g/{group}/v1/completions", response_model=CompletionResponse)
+async def completions(body: CompletionRequest, request: Request, response: Response, caller: CallerDep) -> Any:
+    gw: Gateway = request.app.state.gateway
+    async with counted(gw, body.stream):
+        turn = await prepare(gw, _spec(gw, request, body), owner=caller.owner, admin=caller.admin)
+        if body.stream:
+            run = StreamRun(gw, turn)
+            await run.started()
+            return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
+                                     headers=_headers(turn))
+        completion = await _complete(gw, turn, body)
+    response.headers.update(_headers(turn))
+    return completion

@@ -50,6 +50,8 @@ class CallSpec:
     request_messages: list[dict[str, Any]]
     """The request's messages as the client sent them, stored with the call."""
     bypass_admission: bool = False
+    record_params: dict[str, Any] = field(default_factory=dict)
+    """API-specific settings kept with the call's sampling parameters (Responses: `store`)."""
     prompt_ids: list[int] | None = None
     """Text completions: the exact prompt ids (no chat template); the call extends the session's
     latest call when its whole chain is a prefix of them."""
@@ -213,7 +215,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             latency_ms=latency_ms, owner=turn.owner, state_hash=state,
             prompt_ids=encode_ids(prompt_delta), completion_ids=encode_ids(choice.token_ids),
             completion_logprobs=encode_floats(choice.logprobs), messages=spec.request_messages,
-            response_message=reply, request_params=dict(spec.params.__dict__),
+            response_message=reply, request_params={**spec.params.__dict__, **spec.record_params},
         ))
 
     known = None if turn.new_session else await gw.session_info(turn.session_id)

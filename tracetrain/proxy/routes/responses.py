@@ -1,0 +1,237 @@
+"""POST /v1/responses and GET /v1/responses/{id}: the OpenAI Responses adapter over the serving core.
+
+The gateway keeps the conversation: a request with `previous_response_id` continues that response's
+conversation (its input and output, `instructions` excepted, as OpenAI does) in the same session, so
+the chained requests are one token-exact trajectory. `store: false` responses are still recorded for
+training but cannot be read back or continued.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from tracetrain.engines.base import EngineError, SamplingParams
+from tracetrain.proxy.auth import Caller, CallerDep
+from tracetrain.proxy.binding import Binding, bind
+from tracetrain.proxy.constraints import Constraint, forced_call, json_output
+from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.render import canonical_message
+from tracetrain.proxy.responses_protocol import INSTRUCTIONS, ResponsesRequest, chat_tools, input_messages, output_items
+from tracetrain.proxy.serving import CallSpec, StreamRun, Turn, counted, generate_all, prepare, record, reply_message
+from tracetrain.store import queries
+from tracetrain.store.models import Call
+
+router = APIRouter()
+
+
+class ResponseObject(BaseModel):
+    """The Responses API's response object (the fields the SDK reads; extra ones pass through)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any]
+
+
+async def _stored(gw: Gateway, response_id: str, caller: Caller, param: str | None) -> Call:
+    """The recorded call of a stored response the caller may read."""
+    calls = await gw.read(lambda db: queries.calls_by_completion(db, completion_id=response_id))
+    call = calls[0] if calls else None
+    if call is None or call.request_params.get("store") is False:
+        raise APIError(404, f"Response '{response_id}' not found.", code="response_not_found", param=param)
+    if not caller.may_access(call.owner):
+        raise APIError(403, f"Response '{response_id}' belongs to another API key.", code="session_forbidden")
+    return call
+
+
+def _constraint(body: ResponsesRequest) -> Constraint | None:
+    choice = body.tool_choice
+    name = choice if isinstance(choice, str) or choice is None else choice.name
+    forced = forced_call({t.name: t.parameters for t in body.tools or [] if t.name}, name)
+    if forced is not None:
+        return forced
+    form = body.text.format if body.text else None
+    if form is not None and form.type == "json_object":
+        return json_output(None)
+    if form is not None and form.type == "json_schema":
+        if form.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs a 'schema'.", code="invalid_value",
+                           param="text.format")
+        return json_output(form.schema_)
+    return None
+
+
+async def _spec(gw: Gateway, request: Request, body: ResponsesRequest, caller: Caller) -> CallSpec:
+    history: list[dict[str, Any]] = []
+    binding = bind(request, metadata=body.metadata, user=body.user)
+    if body.previous_response_id:
+        previous = await _stored(gw, body.previous_response_id, caller, "previous_response_id")
+        if binding.session_id not in (None, previous.session_id):
+            raise APIError(400, f"previous_response_id belongs to session '{previous.session_id}', not "
+                           f"'{binding.session_id}'.", code="session_mismatch", param="previous_response_id")
+        binding = Binding(previous.session_id, binding.group_id)
+        history = [m for m in previous.messages if m.get("source") != INSTRUCTIONS] + [previous.response_message]
+    known = {c["id"] for m in history for c in m.get("tool_calls") or []}
+    conversation = history + input_messages(body.input, known)
+    if body.instructions:
+        conversation.insert(0, {"role": "system", "content": body.instructions, "source": INSTRUCTIONS})
+    constraint = _constraint(body)
+    params = SamplingParams(
+        max_tokens=body.max_output_tokens or gw.config.default_max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, stop=[], seed=None, top_logprobs=0,
+        structured_output=constraint.structured_output if constraint else None, stream=body.stream,
+    )
+    return CallSpec(
+        model=body.model, messages=[canonical_message(m) for m in conversation], tools=chat_tools(body.tools),
+        tools_enabled=body.tool_choice != "none", params=params, constraint=constraint, n=1, binding=binding,
+        completion_id=f"resp_{uuid.uuid4().hex}", request_messages=conversation,
+        bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
+        record_params={"store": body.store},  # a store=false response is not read back or continued
+    )
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _shell(response_id: str, model: str, created: int, status: str, body: ResponsesRequest | None,
+           previous: str | None) -> dict[str, Any]:
+    """The response object's fields besides output and usage."""
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions if body else None, "metadata": (body.metadata if body else None) or {},
+            "parallel_tool_calls": False, "previous_response_id": previous,
+            "temperature": body.temperature if body else None, "top_p": body.top_p if body else None,
+            "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) else "auto") if body else "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []] if body else [],
+            "max_output_tokens": body.max_output_tokens if body else None, "store": body.store if body else True,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _from_turn(turn: Turn, reply: dict[str, Any], body: ResponsesRequest, created: int) -> ResponseObject:
+    choice = turn.choices[0]
+    status = _status(choice.finish_reason)
+    return ResponseObject(**{**_shell(turn.spec.completion_id, turn.spec.model, created, status, body,
+                                      body.previous_response_id),
+                             "output": output_items(reply, turn.spec.completion_id),
+                             "usage": _usage(len(turn.plan.prompt_ids), len(choice.token_ids))})
+
+
+def _event(kind: str, sequence: list[int], payload: dict[str, Any]) -> bytes:
+    sequence[0] += 1
+    data = orjson.dumps({"type": kind, "sequence_number": sequence[0] - 1, **payload})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesRequest) -> AsyncIterator[bytes]:
+    created, seq, choice = int(time.time()), [0], turn.choices[0]
+    shell = _shell(turn.spec.completion_id, turn.spec.model, created, "in_progress", body, body.previous_response_id)
+    yield _event("response.created", seq, {"response": {**shell, "output": [], "usage": None}})
+    tools_on = turn.spec.tools_enabled and bool(turn.spec.tools)
+    message_id = f"msg_{turn.spec.completion_id.removeprefix('resp_')}"
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    opened = False
+
+    def text(piece: str) -> list[bytes]:
+        nonlocal opened
+        events = []
+        if not opened:
+            opened = True
+            item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant", "content": []}
+            events += [_event("response.output_item.added", seq, {"output_index": 0, "item": item}),
+                       _event("response.content_part.added", seq, {**where, "part": {
+                           "type": "output_text", "text": "", "annotations": []}})]
+        return [*events, _event("response.output_text.delta", seq, {**where, "delta": piece, "logprobs": []})]
+
+    try:
+        finished = False
+        while not finished:
+            _, error, finished = await run.next()
+            if error is not None:
+                status, code = (error.status, error.code) if isinstance(error, EngineError) else (504, "timeout")
+                failure = error_body(status, str(error) or "timeout", code)["error"]
+                yield _event("error", seq, {"code": failure["code"], "message": failure["message"], "param": None})
+                return
+            visible = choice.visible_text(tools_on)
+            if len(visible) > choice.emitted:
+                for event in text(visible[choice.emitted :]):
+                    yield event
+                choice.emitted = len(visible)
+    finally:
+        run.cancel()
+    reply = reply_message(turn, choice)
+    await record(gw, turn, [reply])
+    final = _from_turn(turn, reply, body, created).model_dump()
+    content = reply.get("content") or ""
+    if len(content) > choice.emitted:
+        for event in text(content[choice.emitted :]):
+            yield event
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield _event("response.output_text.done", seq, {**where, "text": part["text"], "logprobs": []})
+            yield _event("response.content_part.done", seq, {**where, "part": part})
+        else:
+            at = {"item_id": item["id"], "output_index": index}
+            yield _event("response.output_item.added", seq, {"output_index": index, "item": {
+                **item, "arguments": "", "status": "in_progress"}})
+            yield _event("response.function_call_arguments.delta", seq, {**at, "delta": item["arguments"]})
+            yield _event("response.function_call_arguments.done", seq, {**at, "arguments": item["arguments"],
+                                                                         "name": item["name"]})
+        yield _event("response.output_item.done", seq, {"output_index": index, "item": item})
+    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    yield _event(kind, seq, {"response": final})
+    gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
+
+
+def _headers(turn: Turn) -> dict[str, str]:
+    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
+
+
+@router.post("/v1/responses", response_model=ResponseObject)
+@router.post("/s/{session}/v1/responses", response_model=ResponseObject)
+@router.post("/s/{session}/g/{group}/v1/responses", response_model=ResponseObject)
+async def create_response(body: ResponsesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
+    gw: Gateway = request.app.state.gateway
+    async with counted(gw, body.stream):
+        turn = await prepare(gw, await _spec(gw, request, body, caller), owner=caller.owner, admin=caller.admin)
+        if body.stream:
+            run = StreamRun(gw, turn)
+            await run.started()
+            return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
+                                     headers=_headers(turn))
+        (reply,) = await generate_all(gw, turn)
+        created = _from_turn(turn, reply, body, int(time.time()))
+    response.headers.update(_headers(turn))
+    return created
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject)
+@router.get("/s/{session}/v1/responses/{response_id}", response_model=ResponseObject)
+@router.get("/s/{session}/g/{group}/v1/responses/{response_id}", response_model=ResponseObject)
+async def get_response(request: Request, caller: CallerDep, response_id: str = Path()) -> ResponseObject:
+    gw: Gateway = request.app.state.gateway
+    call = await _stored(gw, response_id, caller, None)
+    return ResponseObject(**{**_shell(call.completion_id, call.model, int(call.created_at.timestamp()),
+                                      _status(call.finish_reason), None, None),
+                             "output": output_items(call.response_message, call.completion_id),
+                             "usage": _usage(call.prompt_tokens, call.completion_tokens)})

@@ -255,6 +255,33 @@ async def counted(gw: Gateway, stream: bool) -> AsyncIterator[None]:
         gw.metrics.latency.labels(label).observe(time.perf_counter() - started)
 
 
+async def text_pieces(turn: Turn, run: StreamRun) -> AsyncIterator[str]:
+    """The visible text of a one-choice stream as it grows, piece by piece (an engine error is raised)."""
+    choice = turn.choices[0]
+    tools_on = turn.spec.tools_enabled and bool(turn.spec.tools)
+    try:
+        finished = False
+        while not finished:
+            _, error, finished = await run.next()
+            if error is not None:
+                raise error
+            visible = choice.visible_text(tools_on)
+            if len(visible) > choice.emitted:
+                piece, choice.emitted = visible[choice.emitted :], len(visible)
+                yield piece
+    finally:
+        run.cancel()
+
+
+async def finish_stream(gw: Gateway, turn: Turn) -> tuple[dict[str, Any], str]:
+    """Record a finished one-choice stream: its reply, and the reply text not streamed yet (text held
+    back as a possible tool call that turned out to be text)."""
+    choice = turn.choices[0]
+    reply = reply_message(turn, choice)
+    await record(gw, turn, [reply])
+    return reply, (reply.get("content") or "")[choice.emitted :]
+
+
 class StreamRun:
     """The choices of a streamed request, generating concurrently and reporting through one queue."""
 

@@ -32,10 +32,10 @@ from tracetrain.proxy.serving import (
     StreamRun,
     Turn,
     counted,
+    finish_stream,
     generate_all,
     prepare,
-    record,
-    reply_message,
+    text_pieces,
 )
 
 router = APIRouter()
@@ -122,7 +122,6 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
 
 async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[bytes]:
     choice = turn.choices[0]
-    tools_on = turn.spec.tools_enabled and bool(turn.spec.tools)
     message: dict[str, Any] = {
         "id": turn.spec.completion_id, "type": "message", "role": "assistant", "model": turn.spec.model,
         "content": [], "stop_reason": None, "stop_sequence": None,
@@ -138,25 +137,16 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
         return [*events, _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})]
 
     try:
-        finished = False
-        while not finished:
-            _, error, finished = await run.next()
-            if error is not None:
-                status = error.status if isinstance(error, EngineError) else 504
-                yield _event("error", {"error": anthropic_error_body(status, str(error) or "timeout")["error"]})
-                return
-            visible = choice.visible_text(tools_on)
-            if len(visible) > choice.emitted:
-                for event in text(visible[choice.emitted :]):
-                    yield event
-                choice.emitted = len(visible)
-    finally:
-        run.cancel()
-    reply = reply_message(turn, choice)
-    await record(gw, turn, [reply])
-    if len(reply.get("content") or "") > choice.emitted:
-        for event in text(reply["content"][choice.emitted :]):
-            yield event
+        async for piece in text_pieces(turn, run):
+            for event in text(piece):
+                yield event
+    except Exception as error:
+        status = error.status if isinstance(error, EngineError) else 504
+        yield _event("error", {"error": anthropic_error_body(status, str(error) or "timeout")["error"]})
+        return
+    reply, rest = await finish_stream(gw, turn)
+    for event in text(rest) if rest else []:
+        yield event
     index = 0
     if text_open:
         yield _event("content_block_stop", {"index": 0})

@@ -26,7 +26,16 @@ from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.render import canonical_message
 from tracetrain.proxy.responses_protocol import INSTRUCTIONS, ResponsesRequest, chat_tools, input_messages, output_items
-from tracetrain.proxy.serving import CallSpec, StreamRun, Turn, counted, generate_all, prepare, record, reply_message
+from tracetrain.proxy.serving import (
+    CallSpec,
+    StreamRun,
+    Turn,
+    counted,
+    finish_stream,
+    generate_all,
+    prepare,
+    text_pieces,
+)
 from tracetrain.store import queries
 from tracetrain.store.models import Call
 
@@ -143,10 +152,9 @@ def _event(kind: str, sequence: list[int], payload: dict[str, Any]) -> bytes:
 
 
 async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesRequest) -> AsyncIterator[bytes]:
-    created, seq, choice = int(time.time()), [0], turn.choices[0]
+    created, seq = int(time.time()), [0]
     shell = _shell(turn.spec.completion_id, turn.spec.model, created, "in_progress", body, body.previous_response_id)
     yield _event("response.created", seq, {"response": {**shell, "output": [], "usage": None}})
-    tools_on = turn.spec.tools_enabled and bool(turn.spec.tools)
     message_id = f"msg_{turn.spec.completion_id.removeprefix('resp_')}"
     where = {"item_id": message_id, "output_index": 0, "content_index": 0}
     opened = False
@@ -163,28 +171,18 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
         return [*events, _event("response.output_text.delta", seq, {**where, "delta": piece, "logprobs": []})]
 
     try:
-        finished = False
-        while not finished:
-            _, error, finished = await run.next()
-            if error is not None:
-                status, code = (error.status, error.code) if isinstance(error, EngineError) else (504, "timeout")
-                failure = error_body(status, str(error) or "timeout", code)["error"]
-                yield _event("error", seq, {"code": failure["code"], "message": failure["message"], "param": None})
-                return
-            visible = choice.visible_text(tools_on)
-            if len(visible) > choice.emitted:
-                for event in text(visible[choice.emitted :]):
-                    yield event
-                choice.emitted = len(visible)
-    finally:
-        run.cancel()
-    reply = reply_message(turn, choice)
-    await record(gw, turn, [reply])
+        async for piece in text_pieces(turn, run):
+            for event in text(piece):
+                yield event
+    except Exception as error:
+        status, code = (error.status, error.code) if isinstance(error, EngineError) else (504, "timeout")
+        failure = error_body(status, str(error) or "timeout", code)["error"]
+        yield _event("error", seq, {"code": failure["code"], "message": failure["message"], "param": None})
+        return
+    reply, rest = await finish_stream(gw, turn)
+    for event in text(rest) if rest else []:
+        yield event
     final = _from_turn(turn, reply, body, created).model_dump()
-    content = reply.get("content") or ""
-    if len(content) > choice.emitted:
-        for event in text(content[choice.emitted :]):
-            yield event
     for index, item in enumerate(final["output"]):
         if item["type"] == "message":
             part = item["content"][0]

@@ -127,7 +127,10 @@ class ChatRenderer:
         """The template's text for canonical `messages`; `generation` appends the assistant turn opener."""
         if self.default_system and (not messages or messages[0]["role"] != "system"):
             messages = [{"role": "system", "content": self.default_system}, *messages]
-        functions = [tool.get("function", tool) for tool in tools] if tools else None
+        # `strict` steers the API's schema checking, not the model: it is not rendered (OpenAI's own
+        # rendering leaves it out too), so agents that send it see the same prompt as those that do not.
+        functions = [{k: v for k, v in tool.get("function", tool).items() if k != "strict"}
+                     for tool in tools] if tools else None
         return str(self.tokenizer.apply_chat_template(
             messages, tools=functions, chat_template=self.template, tokenize=False,
             add_generation_prompt=generation,

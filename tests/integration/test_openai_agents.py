@@ -8,8 +8,15 @@ from typing import Any
 
 import httpx
 import pytest
-from agents import Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner
-from agents import set_tracing_disabled
+from agents import (
+    Agent,
+    FunctionTool,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 
 from tests.support.recording import RecordingEngine

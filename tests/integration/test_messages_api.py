@@ -3,6 +3,10 @@ loop that stays one token-exact trajectory, a session mixing APIs, and bad input
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -10,10 +14,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway
 from tests.support.tool_model import ADD_TOOL, ANSWER, GREETING, QUESTION
 
 MODEL = "tool-tiny"
+REPO = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0}
 """The SDK (2.x) no longer takes sampling parameters as arguments; the API and the gateway still do."""
 ADD = {"name": "add", "description": ADD_TOOL["function"]["description"],
@@ -120,3 +126,31 @@ def test_unknown_model_is_not_found_for_the_sdk(tool_gateway: RunningGateway) ->
         _client(tool_gateway, "msg-404").messages.create(model="claude-nope", max_tokens=8,
                                                          messages=[{"role": "user", "content": "hi"}])
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+@pytest.mark.vllm
+def test_anthropic_tools_example_records_each_episode_as_one_trajectory(vllm_gateway: RunningGateway,
+                                                                        tmp_path: Path) -> None:
+    """The example runs as a user would run it, on vLLM: a forced tool_use, its tool_result, an answer."""
+    out = tmp_path / "episodes.jsonl"
+    subprocess.run([sys.executable, str(REPO / "examples/agents/anthropic_tools/agent.py"), "--gateway",
+                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.served_model_name, "--episodes", "2",
+                    "--group-size", "2", "--out", str(out)], check=True, timeout=600)
+    episodes = [json.loads(line) for line in out.read_text().splitlines()]
+    engine = vllm_gateway.gateway.engine
+    assert isinstance(engine, RecordingEngine) and len(episodes) == 2
+    produced = {tuple(g.prompt_ids + g.token_ids) for g in engine.generations}
+    for episode in episodes:
+        url = f"{vllm_gateway.url}/v1/sessions/{episode['session_id']}"
+        info = httpx.get(url, timeout=30).json()
+        assert [c["completion_id"] for c in info["calls"]] == episode["message_ids"]
+        # A forced call cut off by max_tokens cannot be parsed: the agent then gets text, no tool_use.
+        called = info["calls"][0]["finish_reason"] == "tool_calls"
+        assert episode["tool_calls"] == int(called)
+        assert info["status"] == "final" and [r["value"] for r in info["rewards"]] == [episode["reward"]]
+        (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
+        if called:
+            (segment,) = trajectory["segments"]  # the tool result extended the forced call's chain
+            assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in info["calls"])
+        for segment in trajectory["segments"]:
+            assert tuple(segment["token_ids"]) in produced

@@ -4,6 +4,9 @@ Completions model each run a function-tool loop that the store keeps as one exac
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +27,7 @@ from tests.support.servers import RunningGateway
 from tests.support.tool_model import ADD_TOOL, ANSWER, QUESTION
 
 set_tracing_disabled(True)  # the SDK would otherwise send traces to OpenAI
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _add_tool(seen: list[dict[str, Any]]) -> FunctionTool:
@@ -55,3 +59,33 @@ async def test_a_function_tool_run_is_one_exact_trajectory(tool_gateway: Running
     assert isinstance(engine, RecordingEngine)
     first, second = engine.generations[-2:]
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.token_ids)] == first.prompt_ids + first.token_ids
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_agents_example_records_each_episode_as_one_trajectory(vllm_gateway: RunningGateway, tmp_path: Path,
+                                                               api: str) -> None:
+    """The example runs as a user would run it, on vLLM: a forced tool call, its result, an answer."""
+    out = tmp_path / "episodes.jsonl"
+    subprocess.run([sys.executable, str(REPO / "examples/agents/openai_agents/agent.py"), "--gateway",
+                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.served_model_name, "--api", api,
+                    "--episodes", "2", "--group-size", "2", "--out", str(out)], check=True, timeout=600)
+    episodes = [json.loads(line) for line in out.read_text().splitlines()]
+    engine = vllm_gateway.gateway.engine
+    assert isinstance(engine, RecordingEngine) and len(episodes) == 2
+    produced = {tuple(g.prompt_ids + g.token_ids) for g in engine.generations}
+    for episode in episodes:
+        url = f"{vllm_gateway.url}/v1/sessions/{episode['session_id']}"
+        info = httpx.get(url, timeout=30).json()
+        prefix = "resp_" if api == "responses" else "chatcmpl-"
+        assert all(c["completion_id"].startswith(prefix) for c in info["calls"])
+        assert info["status"] == "final" and [r["value"] for r in info["rewards"]] == [episode["reward"]]
+        # A forced call cut off by max_tokens cannot be parsed: the SDK then has text, runs no tool.
+        called = info["calls"][0]["finish_reason"] == "tool_calls"
+        assert (episode["tool_runs"] >= 1) == called
+        (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
+        if called:
+            (segment,) = trajectory["segments"]  # every later call extended the chain
+            assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in info["calls"])
+        for segment in trajectory["segments"]:
+            assert tuple(segment["token_ids"]) in produced

@@ -84,11 +84,12 @@ def serve(config: Config, *, train: bool = False) -> None:
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
+    # The store first: an out-of-date one is refused before vLLM spends a minute starting.
+    db = make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous)
     with ExitStack() as stack:
         engine = build_engine(config, model_dir, stack)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        gateway = Gateway(config, engine, tokenizer, make_engine(config.db_url,
-                                                                  sqlite_synchronous=config.sqlite_synchronous))
+        gateway = Gateway(config, engine, tokenizer, db)
         gateway.publisher = build_publisher(config, engine, model_dir)
         if train:
             from tracetrain.trainer.service import TrainerThread
@@ -137,6 +138,23 @@ def train_cmd(args: argparse.Namespace, config: Config) -> None:
                    config.admin_key)
 
 
+def db_cmd(args: argparse.Namespace, config: Config) -> None:
+    from tracetrain.store import schema
+    from tracetrain.store.db import open_engine
+
+    engine = open_engine(config.db_url)
+    if args.action == "current":
+        current, has_tables = schema.revision(engine)
+        found = current or ("tracetrain 0.1 (no revision)" if has_tables else "empty")
+        print(f"store schema: {found}; this tracetrain: {schema.head()}")
+        return
+    try:
+        before, after = schema.upgrade(engine)
+    except schema.StoreOutOfDate as exc:
+        raise SystemExit(str(exc)) from exc
+    print(f"store schema: {before or 'none'} -> {after}")
+
+
 def export_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store.db import make_engine
     from tracetrain.store.export import export
@@ -165,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="any setting: train.lr=1e-4, or lr=1e-4 for a trainer-only name; admission=staleness "
                             "(repeatable; the same keys in every subcommand)")
+    db_p = sub.add_parser("db", help="the store's schema: `current` shows its revision, `upgrade` migrates it")
+    db_p.add_argument("action", choices=["current", "upgrade"])
+    db_p.add_argument("--db-url")
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
     export_p.add_argument("--db-url")
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
@@ -182,19 +203,26 @@ def main(argv: list[str] | None = None) -> None:
         demo(argv[1:])
         return
     args = _parser().parse_args(argv)
-    skip = ("config", "command", "format", "out", "train", "gateway_url", "set")
+    skip = ("config", "command", "format", "out", "train", "gateway_url", "set", "action")
     overrides = {k: v for k, v in vars(args).items() if k not in skip}
     config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     if args.command == "train" or (args.command == "serve" and args.train):
         _check_trainer(config)
-    if args.command == "serve":
-        serve(config, train=args.train)
-    elif args.command == "train":
-        train_cmd(args, config)
-    elif args.command == "export":
-        export_cmd(args, config)
+    from tracetrain.store.schema import StoreOutOfDate
+
+    try:
+        if args.command == "serve":
+            serve(config, train=args.train)
+        elif args.command == "train":
+            train_cmd(args, config)
+        elif args.command == "export":
+            export_cmd(args, config)
+        elif args.command == "db":
+            db_cmd(args, config)
+    except StoreOutOfDate as exc:  # an older store: say what to run, no traceback
+        raise SystemExit(f"error: {exc}") from None
 
 
 if __name__ == "__main__":

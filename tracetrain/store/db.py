@@ -6,14 +6,27 @@ from collections.abc import Iterator
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, create_engine, select
+from sqlmodel import Session, create_engine, select
 
+from tracetrain.store import schema
 from tracetrain.store.models import Policy
 
 
 def make_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
-    """Create the engine and the tables. `sqlite_synchronous=FULL` makes each commit survive a
-    power cut, not just a killed process; group commit keeps its cost to one fsync per batch."""
+    """Open the store: an empty one gets the tables at the newest schema, an older one raises
+    `schema.StoreOutOfDate` saying what to run (see store/schema.py)."""
+    engine = open_engine(url, sqlite_synchronous=sqlite_synchronous)
+    schema.ensure_current(engine)
+    with Session(engine) as db:
+        if db.exec(select(Policy).where(Policy.version == 0)).first() is None:
+            db.add(Policy(version=0))
+            db.commit()
+    return engine
+
+
+def open_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
+    """The engine alone, schema unchecked (for migrating). `sqlite_synchronous=FULL` makes each commit
+    survive a power cut, not just a killed process; group commit keeps its cost to one fsync per batch."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -24,14 +37,8 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
             cursor.execute(f"PRAGMA synchronous={sqlite_synchronous}")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
-    else:
-        engine = create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
-    SQLModel.metadata.create_all(engine)
-    with Session(engine) as db:
-        if db.exec(select(Policy).where(Policy.version == 0)).first() is None:
-            db.add(Policy(version=0))
-            db.commit()
-    return engine
+        return engine
+    return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
 
 
 def sessions(engine: Engine) -> Iterator[Session]:

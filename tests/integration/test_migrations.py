@@ -1,0 +1,76 @@
+"""Upgrades keep the data: a store made by tracetrain 0.1 (its schema checked in as tests/data) is refused
+with what to run, migrated by `tracetrain db upgrade`, and then read and trained on; new stores start
+at the newest revision on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlmodel import Session
+
+from tracetrain.config import TrainConfig
+from tracetrain.store import queries, schema
+from tracetrain.store.codec import encode_floats, encode_ids
+from tracetrain.store.db import make_engine, open_engine
+from tracetrain.store.models import AgentSession, Call, Policy, Reward
+from tracetrain.store.trajectory import session_trajectories
+from tracetrain.trainer.loop import Trainer
+
+SCHEMA_0_1 = Path(__file__).resolve().parents[1] / "data" / "store_schema_0_1.sql"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tracetrain.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _store_0_1(path: Path) -> str:
+    """A 0.1 store with one group of two finished one-call sessions, rows as 0.1 wrote them."""
+    with sqlite3.connect(path) as connection:
+        connection.executescript(SCHEMA_0_1.read_text())
+    url = f"sqlite:///{path}"
+    with Session(open_engine(url)) as db:
+        db.add(Policy(version=0))
+        for i, reward in enumerate((0.0, 1.0)):
+            sid = f"old-{i}"
+            db.add(AgentSession(id=sid, group_id="g", status="final"))
+            db.add(Call(id=f"{sid}-c", completion_id=f"chatcmpl-{sid}", session_id=sid, group_id="g", link="start",
+                        model="tiny", policy_version=0, state_hash=sid, prompt_ids=encode_ids([1, 4093, 198, 6004, 2]),
+                        completion_ids=encode_ids([28, 29 + i, 2]), completion_logprobs=encode_floats([-10.8] * 3),
+                        messages=[{"role": "user", "content": "hi"}], response_message={"role": "assistant"}))
+            db.add(Reward(session_id=sid, value=reward, final=True))
+        db.commit()
+    return url
+
+
+def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_path: Path, tmp_path: Path) -> None:
+    url = _store_0_1(tmp_path / "old.db")
+    with pytest.raises(schema.StoreOutOfDate, match="tracetrain db upgrade"):
+        make_engine(url)
+    refused = _cli("train", "--db-url", url)
+    assert refused.returncode != 0 and "tracetrain db upgrade" in refused.stderr and "Traceback" not in refused.stderr
+    assert "tracetrain 0.1 (no revision)" in _cli("db", "current", "--db-url", url).stdout
+
+    upgraded = _cli("db", "upgrade", "--db-url", url)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert f"-> {schema.head()}" in upgraded.stdout
+    assert schema.revision(open_engine(url)) == (schema.head(), True)
+
+    engine = make_engine(url)
+    with Session(engine) as db:
+        (trajectory,) = session_trajectories(queries.session_calls(db, session_id="old-1"))
+    (segment,) = trajectory["segments"]
+    assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
+    cfg = TrainConfig(lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
+    trainer = Trainer(cfg, engine, tiny_model_path)
+    assert trainer.step_once() and trainer.version == 1
+    assert _cli("db", "upgrade", "--db-url", url).returncode == 0, "upgrading again changes nothing"
+
+
+def test_new_stores_start_at_the_newest_revision(db_url: str) -> None:
+    make_engine(db_url)
+    assert schema.revision(open_engine(db_url)) == (schema.head(), True)
+    make_engine(db_url)  # and open again without complaint

@@ -1,0 +1,76 @@
+"""Schema revisions of the store, kept with Alembic (`tracetrain/store/migrations/`).
+
+A new, empty store is created at the newest revision. A store at an older revision, or one made by
+tracetrain 0.1 (its tables, no `alembic_version`), is never changed behind the user's back: opening
+it raises `StoreOutOfDate`, which says to run `tracetrain db upgrade` (after a backup). That command
+stamps a 0.1 store with the baseline revision, whose tables it has, and applies the later ones.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+
+from alembic import command
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection, Engine
+
+BASELINE = "0001"
+"""The revision whose tables tracetrain 0.1 created without Alembic."""
+TABLES = {"sessions", "calls", "rewards", "policies"}
+
+
+class StoreOutOfDate(RuntimeError):
+    """The store's schema is older than this tracetrain's; `tracetrain db upgrade` migrates it."""
+
+
+def _config(connection: Connection | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(files("tracetrain.store") / "migrations"))
+    config.attributes["connection"] = connection
+    return config
+
+
+@cache
+def head() -> str:
+    """The newest revision this tracetrain knows."""
+    return str(ScriptDirectory.from_config(_config()).get_current_head())
+
+
+def revision(engine: Engine) -> tuple[str | None, bool]:
+    """(the store's revision, whether it has tracetrain's tables)."""
+    with engine.connect() as connection:
+        current = MigrationContext.configure(connection).get_current_revision()
+        tables = set(inspect(connection).get_table_names())
+    return current, bool(tables & TABLES)
+
+
+def ensure_current(engine: Engine) -> None:
+    """Create an empty store at the newest revision; refuse an older one with what to run."""
+    current, has_tables = revision(engine)
+    if current == head():
+        return
+    if current is None and not has_tables:
+        upgrade(engine)
+        return
+    found = current or "tracetrain 0.1 (no revision)"
+    raise StoreOutOfDate(
+        f"The store at {engine.url.render_as_string(hide_password=True)} has schema {found}; this tracetrain "
+        f"needs {head()}. Back it up, then run: tracetrain db upgrade --db-url '<the same URL>'")
+
+
+def upgrade(engine: Engine) -> tuple[str | None, str]:
+    """Migrate the store to the newest revision; returns (revision before, revision after)."""
+    before, has_tables = revision(engine)
+    with engine.begin() as connection:
+        config = _config(connection)
+        if before is None and has_tables:
+            missing = TABLES - set(inspect(connection).get_table_names())
+            if missing:
+                raise StoreOutOfDate(f"This store lacks tables {sorted(missing)}: it was not made by tracetrain.")
+            command.stamp(config, BASELINE)
+        command.upgrade(config, "head")
+    return before, head()

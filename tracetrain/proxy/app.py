@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracetrain.proxy.errors import BodyTooLarge, error_for_path, install_error_handlers
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import install_openapi
 from tracetrain.proxy.routes import (
     chat,
     completions,
@@ -67,6 +68,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="tracetrain gateway", lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
+    install_openapi(app)
     for module in (chat, messages, responses, completions, rewards, sessions, system, policies, generation):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)

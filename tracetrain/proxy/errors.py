@@ -71,7 +71,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
         first = next(e for e in errors if e.get("type") == "json_invalid")
     if first.get("type") == "json_invalid":
         return f"Request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json"
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    loc = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
     where = ".".join(p for p in loc if not (p[:1].isupper() or "[" in p)) or "body"
     code = FIELD_CODES.get(loc[0], "invalid_value") if loc else "invalid_value"
     return f"Invalid value for '{where}': {first.get('msg', 'invalid')}", where, code

@@ -30,7 +30,7 @@ async def _owned(gw: Gateway, session_id: str, caller: Any) -> None:
 
 @router.get("/v1/sessions")
 async def list_sessions(request: Request, _: AdminDep, limit: int = Query(100, ge=1, le=1000),
-                        offset: int = Query(0, ge=0)) -> dict[str, Any]:
+                        offset: int = Query(0, ge=0, le=2**62)) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     rows = await gw.read(lambda db: queries.list_sessions(db, limit=limit, offset=offset))
     return {"object": "list", "data": [AgentSessionPublic.model_validate(r).model_dump(mode="json") for r in rows]}

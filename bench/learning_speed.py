@@ -11,8 +11,8 @@ against optimizer steps, over several seeds, in two pairings (both reported):
 Identical in every arm: the model (SmolLM2-135M-Instruct, float32), the prompts (the agent's
 `messages(question)` for TRAIN problems drawn by `make_problem(random.Random(seed))`, one problem per
 group, in order), the reward (`score`), the answer-token cap (`MAX_TOKENS`, training and evaluation),
-sampling temperature 1, groups of 8, 32 sessions per optimizer step (tracetrain's sync loop claims
-every finished session, so its steps may hold more: the report gives its measured mean), LoRA r16/alpha32
+sampling temperature 1, groups of 8, 32 sessions per optimizer step (tracetrain's are 32 usable ones:
+it replaces zero-variance groups, TRL trains on them with zero advantage), LoRA r16/alpha32
 on all linear layers without dropout, fused AdamW, constant lr (one per arm, chosen on the validation
 split by `--select-lr`, never on the test curves), no KL, token-mean loss, grad clip 1.
 
@@ -400,10 +400,11 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"{TRL_SCALE_REWARDS.get(DEMO.advantage)}), clip {DEMO.clip_ratio:g}, grad clip "
         f"{DEMO.grad_clip:g}, {DEMO.ppo_epochs} pass per batch; optimizers as measured: {'; '.join(optimizers)}",
         f"samples per optimizer step: TRL exactly {BATCH} (zero-variance groups included, they get zero advantage); "
-        f"tracetrain's sync loop (mode {DEMO.mode}, min_sessions {DEMO.min_sessions}) claims every finished session "
-        "when it steps and drops zero-variance groups first, so its steps hold a different number: mean samples "
-        f"trained per step {'; '.join(sizes) or 'n/a'} (from /v1/policies metrics: metrics.samples is the "
-        "trainer's running total, so a step's count is the difference between versions)",
+        f"tracetrain (mode {DEMO.mode}) trains on {DEMO.batch_sessions} usable sessions per step (whole groups, "
+        "freshest first; zero-variance groups are set aside and replaced by more groups), so a step may hold "
+        f"more signal than TRL's: mean samples trained per step {'; '.join(sizes) or 'n/a'} (from the versions' "
+        "metrics); the lr selection (learning_speed_lr.md) ran on the loop before that change, which claimed "
+        "every finished session when it stepped",
         f"TRL + vLLM: {TRL_VLLM_UNAVAILABLE}",
         "other known differences: tracetrain's in-process transformers engine serves one request at a time (no "
         "batching) while TRL's HF generate samples a step's 32 completions in one batched call; tracetrain "
@@ -444,6 +445,36 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
                  lrs, args.threshold, _settings_notes(args, runs, order), raw)
 
 
+def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
+    """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes re-read from
+    the policies in its store (bench/out/learning_speed/<output>/<run>/store.db) when it is still there."""
+    from sqlmodel import Session
+
+    from tracetrain.store import queries
+    from tracetrain.store.db import open_engine
+
+    raw = json.loads((RESULTS_DIR / f"{args.output}.json").read_text())
+    runs = [ArmRun.from_json(r) for r in raw["runs"]]
+    reread = 0
+    for run in runs:
+        store = OUT_DIR / "learning_speed" / args.output / f"{run.arm}-s{run.seed}-lr{run.lr:g}" / "store.db"
+        if ARMS[run.arm].framework != "tracetrain" or not store.exists():
+            continue
+        with Session(open_engine(f"sqlite:///{store}")) as db:
+            policies = [p.model_dump(mode="json") for p in queries.list_policies(db)]
+        run.step_samples, run.sessions_per_step = step_sizes(policies)
+        run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
+        reread += 1
+    saved = argparse.Namespace(**raw["args"])
+    order = {int(seed): arms for seed, arms in raw["order"].items()}
+    lrs = {arm: (float(lr), source) for arm, (lr, source) in raw["lrs"].items()}
+    command = f"python -m bench.learning_speed --minutes {saved.minutes:g}"
+    notes = [*_settings_notes(saved, runs, order),
+             f"report re-rendered with --from-json; step sizes of {reread} tracetrain runs re-read from their stores"]
+    write_report(args.output, "Learning speed: tracetrain vs TRL GRPOTrainer", command, pairings, runs, LABELS, lrs,
+                 raw["threshold"], notes, {k: v for k, v in raw.items() if k != "runs"})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -466,10 +497,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default=None,
                         help="results name under bench/results/ (default learning_speed; learning_speed_lr with "
                              "--select-lr)")
+    parser.add_argument("--from-json", action="store_true",
+                        help="re-render bench/results/<output>.{md,png,json} from its JSON, no runs")
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)
     args.output = args.output or ("learning_speed_lr" if args.select_lr else "learning_speed")
     pairings = [PAIRINGS[p] for p in dict.fromkeys(args.pairings)]
+    if args.from_json:
+        rerender(args, pairings)
+        return
     arms = list(dict.fromkeys(a for p in pairings for a in p[2]))
     if any(ARMS[a].engine == "vllm" for a in arms) and find_vllm_python() is None:
         parser.error("the best-engine pairing needs vLLM (.venv-vllm or TRACETRAIN_VLLM_PYTHON)")

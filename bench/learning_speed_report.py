@@ -162,18 +162,18 @@ def pick_lrs(runs: Sequence[ArmRun]) -> dict[str, float]:
 
 
 def step_sizes(policies: list[dict[str, Any]]) -> tuple[list[int], float | None]:
-    """Samples trained per step, and mean sessions consumed per step (dropped ones included), from the
-    policies' metrics. tracetrain/trainer/loop.py merges the trainer's cumulative `counts` (steps, samples,
-    stale, zero_variance) into each version's metrics after `"samples": len(samples)`, so `metrics.samples`
-    is a running total: a step's samples are the difference to the previous version's."""
+    """Samples trained per step, and mean sessions taken per step (those set aside included), from the
+    policies' metrics. Since the trainer records `samples_total`, `metrics.samples` is the step's own
+    count; older stores kept only a running total in `samples`, and the differences are taken then."""
     rows = sorted((p for p in policies if int(p["version"]) > 0 and p.get("metrics")), key=lambda p: int(p["version"]))
-    totals = [int(r["metrics"].get("samples", 0)) for r in rows]
     if not rows:
         return [], None
-    if any(b < a for a, b in zip(totals, totals[1:], strict=False)):  # not cumulative after all: per-step values
-        return totals, None
-    last = rows[-1]["metrics"]
-    consumed = sum(int(last.get(k, 0)) for k in ("samples", "stale", "zero_variance"))
+    metrics = [r["metrics"] for r in rows]
+    if all("samples_total" in m for m in metrics):
+        taken = [int(m.get("sessions", 0)) + sum(int(n) for n in (m.get("set_aside") or {}).values()) for m in metrics]
+        return [int(m["samples"]) for m in metrics], sum(taken) / len(taken)
+    totals = [int(m.get("samples", 0)) for m in metrics]
+    consumed = sum(int(metrics[-1].get(k, 0)) for k in ("samples", "stale", "zero_variance"))
     return [b - a for a, b in zip([0, *totals], totals, strict=False)], consumed / len(rows)
 
 

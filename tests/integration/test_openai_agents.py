@@ -82,7 +82,8 @@ def test_agents_example_records_each_episode_as_one_trajectory(vllm_gateway: Run
         assert info["status"] == "final" and [r["value"] for r in info["rewards"]] == [episode["reward"]]
         # A forced call cut off by max_tokens cannot be parsed: the SDK then has text, runs no tool.
         called = info["calls"][0]["finish_reason"] == "tool_calls"
-        assert (episode["tool_runs"] >= 1) == called
+        if episode["tool_runs"] is not None:  # None: the SDK refused a reply cut at max_tokens (reward 0)
+            assert (episode["tool_runs"] >= 1) == called
         (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
         if called:
             (segment,) = trajectory["segments"]  # every later call extended the chain

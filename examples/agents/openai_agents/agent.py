@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from agents import (
     Agent,
+    ModelBehaviorError,
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -51,15 +52,20 @@ async def episode(args: argparse.Namespace, metres: int, group: str, http: httpx
     model_class = OpenAIResponsesModel if args.api == "responses" else OpenAIChatCompletionsModel
     agent = Agent(name="converter", instructions="Answer with a number. Use the multiply tool.",
                   model=model_class(model=args.model, openai_client=client), tools=[multiply],
-                  model_settings=ModelSettings(temperature=args.temperature, max_tokens=64, tool_choice="multiply"))
-    result = await Runner.run(agent, f"How many centimetres are in {metres} metres?", max_turns=3)
-    text = str(result.final_output or "")
+                  model_settings=ModelSettings(temperature=args.temperature, max_tokens=128,
+                                               tool_choice="multiply"))
+    try:
+        result = await Runner.run(agent, f"How many centimetres are in {metres} metres?", max_turns=3)
+        text = str(result.final_output or "")
+        tool_runs: int | None = sum(1 for item in result.new_items if item.type == "tool_call_output_item")
+    except ModelBehaviorError as exc:  # a reply cut at max_tokens: the SDK refuses incomplete responses
+        print(f"episode {session}: {exc}", flush=True)
+        text, tool_runs = "", None
     numbers = [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text.replace(",", ""))]
     reward = 1.0 if metres * 100 in numbers else 0.0
     posted = await http.post(f"{args.gateway}/v1/rewards", json={"session_id": session, "reward": reward,
                                                                  "final": True})
     posted.raise_for_status()
-    tool_runs = sum(1 for item in result.new_items if item.type == "tool_call_output_item")
     return {"session_id": session, "metres": metres, "answer": text, "reward": reward, "tool_runs": tool_runs}
 
 

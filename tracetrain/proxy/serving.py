@@ -103,6 +103,10 @@ class Turn:
     started: float
     choices: list[Choice]
 
+    def headers(self) -> dict[str, str]:
+        """What every API's response carries: the policy version that answered and the session."""
+        return {"X-Policy-Version": str(self.version), "X-Session-Id": self.session_id}
+
 
 async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool) -> Turn:
     """Bind the session (refusing another key's), admit it if new, and plan its exact prompt ids."""

@@ -95,10 +95,6 @@ def _logprobs(gw: Gateway, choice: Choice, start: int, end: int) -> ChoiceLogpro
     return ChoiceLogprobs(content=content)
 
 
-def _headers(turn: Turn) -> dict[str, str]:
-    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
-
-
 def _usage(turn: Turn) -> Usage:
     completion = sum(len(c.token_ids) for c in turn.choices)
     prompt = len(turn.plan.prompt_ids)
@@ -182,7 +178,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
             run = StreamRun(gw, turn)
             await run.started()
             return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=_headers(turn))
+                                     headers=turn.headers())
         completion = await _complete(gw, turn, body.logprobs)
-    response.headers.update(_headers(turn))
+    response.headers.update(turn.headers())
     return completion

@@ -140,10 +140,6 @@ def _usage(turn: Turn) -> CompletionUsage:
                            total_tokens=len(turn.plan.prompt_ids) + completion)
 
 
-def _headers(turn: Turn) -> dict[str, str]:
-    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
-
-
 async def _complete(gw: Gateway, turn: Turn, body: CompletionRequest) -> CompletionResponse:
     await generate_all(gw, turn)
     return CompletionResponse(
@@ -204,7 +200,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
             run = StreamRun(gw, turn)
             await run.started()
             return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=_headers(turn))
+                                     headers=turn.headers())
         completion = await _complete(gw, turn, body)
-    response.headers.update(_headers(turn))
+    response.headers.update(turn.headers())
     return completion

@@ -105,10 +105,6 @@ def _usage(turn: Turn) -> Usage:
     return Usage(input_tokens=len(turn.plan.prompt_ids), output_tokens=sum(len(c.token_ids) for c in turn.choices))
 
 
-def _headers(turn: Turn) -> dict[str, str]:
-    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
-
-
 async def _complete(gw: Gateway, turn: Turn) -> MessageResponse:
     (reply,) = await generate_all(gw, turn)
     reason, sequence = _stop(gw, turn, turn.choices[0], reply)
@@ -176,7 +172,7 @@ async def messages(body: MessagesRequest, request: Request, response: Response, 
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return StreamingResponse(_stream(gw, turn, run), media_type="text/event-stream", headers=_headers(turn))
+            return StreamingResponse(_stream(gw, turn, run), media_type="text/event-stream", headers=turn.headers())
         message = await _complete(gw, turn)
-    response.headers.update(_headers(turn))
+    response.headers.update(turn.headers())
     return message

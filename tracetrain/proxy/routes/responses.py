@@ -201,10 +201,6 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
     gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
 
 
-def _headers(turn: Turn) -> dict[str, str]:
-    return {"X-Policy-Version": str(turn.version), "X-Session-Id": turn.session_id}
-
-
 @router.post("/v1/responses", response_model=ResponseObject)
 @router.post("/s/{session}/v1/responses", response_model=ResponseObject)
 @router.post("/s/{session}/g/{group}/v1/responses", response_model=ResponseObject)
@@ -216,10 +212,10 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
             run = StreamRun(gw, turn)
             await run.started()
             return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=_headers(turn))
+                                     headers=turn.headers())
         (reply,) = await generate_all(gw, turn)
         created = _from_turn(turn, reply, body, int(time.time()))
-    response.headers.update(_headers(turn))
+    response.headers.update(turn.headers())
     return created
 
 

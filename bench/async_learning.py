@@ -8,7 +8,8 @@ Arms (tracetrain + vLLM, the demo's engine and agent, groups of 8, temperature 1
 - `async-admission`: the same with `mode: async` and `admission: staleness` (one batch may be ready or
   running while one trains).
 - `async-none`: `mode: async`, `admission: none` (organic traffic: the trainer takes the freshest).
-- `defaults`: `serve --train` with an empty `train:` section (only the checkpoint directory and seed).
+- `defaults`: `serve --train` with an empty `train:` section (only the checkpoint directory and seed) and
+  no `admission` setting: whatever `TrainConfig()` and `admission: auto` give.
 
 Metrics, fixed before any run: time to held-out reward `THRESHOLD` (the learning-speed bench's 0.55, on
 the same 96 test sums), held-out reward at `AT_MINUTES`, versions per minute, and the share of the
@@ -18,7 +19,7 @@ admission), with the rest by reason (stale, zero-variance, still ready or runnin
 For seed k the arms run in an order rotated by k, one at a time, each with its own wall-clock budget
 counted from before its processes start.
 
-    python -m bench.async_learning --seeds 0 1 2 --minutes 10
+    python -m bench.async_learning --seeds 0 1 2 --minutes 9
     python -m bench.async_learning --seeds 0 --minutes 2 --arms async-admission --output async_learning_smoke
 
 Results: `bench/results/<output>.{md,png,json}`.
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget per run, start-up included")
+    parser.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget per run, start-up included")
     parser.add_argument("--eval-every", type=float, default=90.0)
     parser.add_argument("--eval-size", type=int, default=len(arithmetic.TEST))
     parser.add_argument("--output", default="async_learning")

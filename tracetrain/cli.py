@@ -49,7 +49,7 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
         server = VLLMServer(
             model_dir, port=config.vllm_port, served_model_name=config.served_model_name,
             python=config.vllm_python, extra_args=config.vllm_args,
-            enable_lora=config.train.lora and config.train.publish != "reload",
+            enable_lora=config.train.lora and not config.train.publishes_merged(),
             max_lora_rank=config.train.lora_rank,
         )
         stack.enter_context(server)
@@ -69,12 +69,13 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     if isinstance(engine, TransformersEngine):
         return InProcessPublisher(engine)
     if mode == "auto":
-        mode = "lora" if config.train.lora else "reload"
+        mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"
     return VLLMLoRAPublisher(engine) if mode == "lora" else VLLMReloadPublisher(engine, model_dir)
 
 
 def serve(config: Config, *, train: bool = False) -> None:
     config.check_access()  # first: refuse in a second, before importing torch or loading any model
+    config = config.with_admission_for(training_here=train)
     import uvicorn
     from transformers import AutoTokenizer
 

@@ -27,9 +27,10 @@ class TrainConfig(BaseModel):
     algorithm: Literal["rl", "sft", "dpo"] = "rl"
     """`rl`: advantages + policy loss; `sft`: imitate trajectories with reward >= sft_min_reward;
     `dpo`: best vs worst of each group."""
-    advantage: str = "grpo"
-    """verl advantage estimator: grpo, rloo, reinforce_plus_plus, remax, ... Groups of one always use
-    the running baseline."""
+    advantage: str = "rloo"
+    """verl advantage estimator: rloo, grpo, reinforce_plus_plus, remax, ... Groups of one always use
+    the running baseline. rloo by default: grpo divides by each group's reward spread, which turns tiny
+    differences among all-wrong answers into full-size advantages (bench/results/demo_seeds_grpo.md)."""
     policy_loss: str = "vanilla"
     """verl policy loss: vanilla (PPO-clip), gspo, cispo, sapo, clip_cov, ... or a registered one."""
     loss_agg_mode: str = "token-mean"
@@ -52,15 +53,16 @@ class TrainConfig(BaseModel):
     """Truncated importance sampling cap against behaviour logprobs; None disables the correction."""
     mode: Literal["sync", "async"] = "async"
     """`sync`: generation waits while a batch trains (on-policy); `async`: it does not."""
-    max_staleness: int = 2
+    max_staleness: int = 1
     """Sessions with a call more than this many versions older than the trainer's are set aside as
     `stale` (kept in the store, counted, never trained on by this loop)."""
-    batch_sessions: int = 16
+    batch_sessions: int = 32
     """Usable sessions per training step: whole groups, freshest first (so up to one group more when
     group sizes do not add up to it); zero-variance groups are replaced by more groups (DAPO's dynamic
     sampling)."""
-    min_sessions: int = 8
-    """Fewest usable sessions a step trains on, and only after waiting `fill_timeout_s` for a full batch."""
+    min_sessions: int = Field(default=0, ge=0)
+    """Fewest usable sessions a step trains on, and only after waiting `fill_timeout_s` for a full batch;
+    0: half of `batch_sessions`."""
     fill_timeout_s: float = 30.0
     """Once a step has `min_sessions` usable sessions, how long it waits for `batch_sessions` more."""
     group_settle_s: float = 30.0
@@ -69,14 +71,14 @@ class TrainConfig(BaseModel):
     micro_batch_tokens: int = 2048
     """Padded tokens per forward/backward pass: bounds the step's activation memory (SmolLM2-135M:
     about 1 GB per 1k tokens in float32)."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
+    lr: float = 2e-4
+    """AdamW learning rate. 2e-4 suits the default LoRA adapter; full fine-tuning wants far less (1e-5)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
-    lora: bool = False
-    """Train a LoRA adapter (peft) instead of all weights."""
+    lora: bool = True
+    """Train a LoRA adapter (peft) instead of all weights: a cheaper step and a small optimizer state."""
     lora_rank: int = 16
     """LoRA rank."""
     lora_alpha: int = 32
@@ -101,12 +103,27 @@ class TrainConfig(BaseModel):
     """Stop after this many steps (None: run until stopped)."""
     publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
     """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap.
-    `reload` with `lora: true` merges each adapter into the base weights and serves those."""
+    `reload` with `lora: true` merges each adapter into the base weights and serves those. `auto`:
+    in-process swap for the transformers engine; for vLLM, `lora` when this machine has a CUDA device
+    and `reload` otherwise (vLLM on CPU serves an adapter at about half the speed of plain weights)."""
     seed: int = 0
     """Seed for the trainer's randomness."""
 
+    def publishes_merged(self) -> bool:
+        """Whether LoRA training reaches the engine as merged full weights (`publish: reload`, or `auto`
+        without a CUDA device). The trainer and the gateway both decide with this, so they agree."""
+        if not self.lora:
+            return False
+        if self.publish == "auto":
+            import torch  # here, not at the top: loading a config must not cost a torch import
+
+            return not torch.cuda.is_available()
+        return self.publish == "reload"
+
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:
+        if self.min_sessions == 0:
+            self.min_sessions = max(1, self.batch_sessions // 2)
         if not 1 <= self.min_sessions <= self.batch_sessions:
             raise ValueError(f"train.min_sessions ({self.min_sessions}) must be between 1 and train.batch_sessions "
                              f"({self.batch_sessions})")
@@ -167,10 +184,13 @@ class Config(BaseSettings):
     """Logging level of the gateway."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The trainer (`serve --train` or `tracetrain train`)."""
-    admission: Literal["none", "staleness"] = "none"
+    admission: Literal["auto", "none", "staleness"] = "auto"
     """`staleness` (training workloads): hold new sessions while the ready and in-flight sessions
     already fill `admission_batches` training batches, so the trainer is not fed work it would drop as
-    stale. `none` (production agents): nothing is held; the trainer takes the freshest sessions."""
+    stale. `none` (production agents): nothing is held; the trainer takes the freshest sessions.
+    `auto`: `staleness` under `serve --train` in `async` mode; `none` in `sync` mode (holding
+    generation while a batch trains already bounds staleness) and under `serve` (which cannot know
+    whether a trainer elsewhere will ever publish, and must not hold agents for one)."""
     admission_batches: float = Field(default=1.0, gt=0)
     """Batches of `train.batch_sessions` that may be ready or in flight under `admission: staleness`.
     1 keeps the next batch generating while one trains; more keeps the engine busier, but the trainer
@@ -180,10 +200,17 @@ class Config(BaseSettings):
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:
-        if self.admission == "staleness" and self.admission_batches > self.train.max_staleness + 1:
+        if self.admission != "none" and self.admission_batches > self.train.max_staleness + 1:
             raise ValueError(f"admission_batches ({self.admission_batches:g}) above train.max_staleness + 1 "
                              f"({self.train.max_staleness + 1}) admits sessions that can only go stale")
         return self
+
+    def with_admission_for(self, *, training_here: bool) -> Config:
+        """This config with `admission: auto` resolved for a gateway that does or does not train."""
+        if self.admission != "auto":
+            return self
+        staleness = training_here and self.train.mode == "async"
+        return self.model_copy(update={"admission": "staleness" if staleness else "none"})
 
     @property
     def admission_limit(self) -> int:

@@ -27,7 +27,7 @@ MODEL = "tiny"
 
 
 def _train_config(tmp_path: Path, **overrides: Any) -> TrainConfig:
-    values: dict[str, Any] = {"advantage": "grpo", "lr": 1e-3, "batch_sessions": 8, "min_sessions": 8,
+    values: dict[str, Any] = {"advantage": "grpo", "lora": False, "lr": 1e-3, "batch_sessions": 8, "min_sessions": 8,
                               "micro_batch_tokens": 2048, "checkpoint_dir": tmp_path / "ckpt", "poll_s": 0.1,
                               "max_staleness": 100}
     return TrainConfig(**{**values, **overrides})

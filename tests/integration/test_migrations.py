@@ -64,7 +64,7 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
         (trajectory,) = session_trajectories(queries.session_calls(db, session_id="old-1"))
     (segment,) = trajectory["segments"]
     assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
-    cfg = TrainConfig(lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
+    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
     trainer = Trainer(cfg, engine, tiny_model_path)
     assert trainer.step_once() and trainer.version == 1
     assert _cli("db", "upgrade", "--db-url", url).returncode == 0, "upgrading again changes nothing"

@@ -63,8 +63,8 @@ def test_an_expired_lease_goes_to_the_next_trainer(db_url: str) -> None:
 
 
 def _trainer(tiny_model_path: Path, tmp_path: Path, db_url: str, **overrides: object) -> Trainer:
-    cfg = TrainConfig(**{"lr": 1e-3, "batch_sessions": 8, "min_sessions": 1, "checkpoint_dir": tmp_path / "ckpt",
-                         "max_staleness": 1, **overrides})  # type: ignore[arg-type]
+    cfg = TrainConfig(**{"lora": False, "lr": 1e-3, "batch_sessions": 8, "min_sessions": 1,
+                         "checkpoint_dir": tmp_path / "ckpt", "max_staleness": 1, **overrides})  # type: ignore[arg-type]
     return Trainer(cfg, make_engine(db_url), tiny_model_path)
 
 
@@ -134,7 +134,7 @@ def test_trainer_logprobs_match_the_recorded_behaviour_logprobs(gateway: Any, ti
 
     with Session(gateway.gateway.db) as db:
         (sample,) = load_samples(db, ["lp-match"])
-    model = build_model(tiny_model_path, TrainConfig()).eval()
+    model = build_model(tiny_model_path, TrainConfig(lora=False)).eval()
     micro = collate([sample], [0], pad_id=0)
     with torch.no_grad():
         logprobs, _ = sequence_logprobs(model, micro)

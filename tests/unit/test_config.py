@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tracetrain.config import Config, load_config, parse_set
+from tracetrain.config import Config, TrainConfig, load_config, parse_set
 
 
 def test_precedence_yaml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,18 +45,18 @@ def test_other_addresses_need_keys() -> None:
 
 def test_nested_train_settings_merge_across_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "tt.yaml"
-    path.write_text("train:\n  advantage: rloo\n  lr: 0.001\n  batch_sessions: 24\n")
+    path.write_text("train:\n  advantage: grpo\n  lr: 0.001\n  batch_sessions: 24\n")
     monkeypatch.setenv("TRACETRAIN_TRAIN__MAX_STALENESS", "5")
     monkeypatch.setenv("TRACETRAIN_TRAIN__BATCH_SESSIONS", "20")
-    config = load_config(path, **parse_set(["train.lr=1e-4", "lora=true", "admission=staleness"]))
+    config = load_config(path, **parse_set(["train.lr=1e-4", "lora=false", "admission=staleness"]))
     assert (config.train.advantage, config.train.lr, config.train.lora, config.train.max_staleness) == \
-        ("rloo", 1e-4, True, 5)
+        ("grpo", 1e-4, False, 5)
     assert config.train.batch_sessions == 20 and config.admission == "staleness"
 
 
 def test_set_takes_the_same_keys_everywhere_and_refuses_unknown_ones() -> None:
-    config = Config(**parse_set(["lr=1e-4", "train.lora=true", "port=9001"]))
-    assert (config.train.lr, config.train.lora, config.port) == (1e-4, True, 9001)
+    config = Config(**parse_set(["lr=1e-4", "train.lora=false", "port=9001"]))
+    assert (config.train.lr, config.train.lora, config.port) == (1e-4, False, 9001)
     for bad in ("nosuch=1", "train.nosuch=1", "train", "db.url=x", "train.lr.x=1"):
         with pytest.raises(SystemExit, match="no such setting|KEY=VALUE"):
             parse_set([bad])
@@ -71,3 +71,23 @@ def test_batch_and_admission_combinations_are_checked_when_the_config_loads() ->
     assert Config(admission="staleness", admission_batches=1.5, train={"batch_sessions": 32}).admission_limit == 48
     with pytest.raises(ValidationError, match="admission"):
         Config(admission="fifo")
+
+
+def test_admission_auto_holds_agents_only_for_an_async_trainer_in_this_gateway() -> None:
+    def resolved(mode: str, training_here: bool) -> str:
+        return Config(**parse_set([f"mode={mode}"])).with_admission_for(training_here=training_here).admission
+
+    assert resolved("async", True) == "staleness"
+    assert resolved("sync", True) == "none"  # the sync hold already bounds staleness
+    assert resolved("async", False) == "none"  # `serve` alone: no trainer here to wait for
+    explicit = Config(**parse_set(["admission=none"])).with_admission_for(training_here=True)
+    assert explicit.admission == "none"
+
+
+def test_lora_reaches_a_cpu_only_vllm_as_merged_weights() -> None:
+    import torch
+
+    assert TrainConfig(lora=True, publish="auto").publishes_merged() is not torch.cuda.is_available()
+    assert TrainConfig(lora=True, publish="lora").publishes_merged() is False
+    assert TrainConfig(lora=True, publish="reload").publishes_merged() is True
+    assert TrainConfig(lora=False, publish="reload").publishes_merged() is False

@@ -38,6 +38,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, db: DBEngine, base_dir: Path, *, publish: PublishFn | None = None,
                  gate: Callable[[bool], None] | None = None) -> None:
         self.cfg = cfg
+        self._merged = cfg.publishes_merged()
         self.db = db
         self.base_dir = base_dir
         self.publish = publish
@@ -134,8 +135,8 @@ class Trainer:
 
     @property
     def serves_merged(self) -> bool:
-        """LoRA training published as full weights (train.publish: reload)."""
-        return self.cfg.lora and self.cfg.publish == "reload"
+        """LoRA training published as full weights (see `TrainConfig.publishes_merged`)."""
+        return self._merged
 
     @property
     def kind(self) -> str:

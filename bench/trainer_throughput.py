@@ -39,7 +39,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.engines.models import smollm2_dir
 from tracetrain.trainer.checkpoint import build_model
 from tracetrain.trainer.data import Sample
-from tracetrain.trainer.step import StepInputs, train_step
+from tracetrain.trainer.step import SampledLogits, StepInputs, train_step
 
 
 @dataclass
@@ -162,7 +162,7 @@ def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: 
     console.log(f"GEMM peak before {'LoRA' if lora else 'full'} {shape}: {peak / 1e9:.1f} GFLOP/s ({where})")
     times = []
     for step in range(steps + 1):  # the first step warms up allocators and kernels; not counted
-        stats = train_step(model, optimizer, StepInputs(samples, advantages), cfg, pad)
+        stats = train_step(SampledLogits(model), optimizer, StepInputs(samples, advantages), cfg, pad)
         if step:
             times.append(stats["step_seconds"])
         console.log(f"{'LoRA' if lora else 'full'} {shape}: step {step}/{steps} "

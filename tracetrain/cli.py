@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import signal
@@ -118,14 +119,20 @@ def _redacted(config: Config) -> dict[str, Any]:
 
 
 def _check_trainer(config: Config) -> None:
-    """Unknown algorithm names fail now, with the names verl knows, not after vLLM has started."""
+    """Unknown algorithm names and hardware this machine lacks fail now, with a sentence, not after
+    vLLM or Ray has started."""
     try:
         from tracetrain.trainer.algorithms.verl_ops import check_names
+        from tracetrain.trainer.devices import check_hardware
     except ImportError as exc:
         raise SystemExit(f"training needs the train extra ({exc.name} is missing): pip install 'tracetrain[train]'") \
             from exc
+    if config.train.uses_fsdp and importlib.util.find_spec("ray") is None:
+        raise SystemExit("configuration error: train.workers > 1 (fsdp) needs Ray: "
+                         "pip install 'tracetrain[distributed]'")
     try:
         check_names(config.train)
+        check_hardware(config.train)
     except ValueError as exc:
         raise SystemExit(f"configuration error: {exc}") from exc
 

@@ -108,6 +108,25 @@ class TrainConfig(BaseModel):
     and `reload` otherwise (vLLM on CPU serves an adapter at about half the speed of plain weights)."""
     seed: int = 0
     """Seed for the trainer's randomness."""
+    backend: Literal["auto", "local", "fsdp"] = "auto"
+    """Where a step runs. `local`: this process (today's loop); `fsdp`: torch FSDP2 over `workers` Ray
+    actors, one per device (gloo on CPU, NCCL on GPUs); `auto`: fsdp when workers > 1."""
+    workers: int = Field(default=1, ge=1)
+    """Training processes for `fsdp`: one per GPU, or on CPU a share of the cores each."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer computes; `auto`: cuda when there is a CUDA device."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute precision. bfloat16 keeps float32 master weights, optimizer state and gradient reduction."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
+    compute."""
+    ray_address: str | None = None
+    """Ray cluster to place `fsdp` workers on (`auto` for the one this machine belongs to); None starts
+    a local Ray."""
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.backend == "fsdp" or (self.backend == "auto" and self.workers > 1)
 
     def publishes_merged(self) -> bool:
         """Whether LoRA training reaches the engine as merged full weights (`publish: reload`, or `auto`
@@ -124,6 +143,12 @@ class TrainConfig(BaseModel):
     def _check_batch(self) -> TrainConfig:
         if self.min_sessions == 0:
             self.min_sessions = max(1, self.batch_sessions // 2)
+        if self.backend == "local" and self.workers > 1:
+            raise ValueError(f"train.workers={self.workers} needs train.backend fsdp (or auto); local is one process")
+        if self.uses_fsdp and self.algorithm != "rl":
+            raise ValueError(f"train.algorithm {self.algorithm} runs on the local backend only (fsdp trains rl)")
+        if self.ray_address is not None and not self.uses_fsdp:
+            raise ValueError("train.ray_address places fsdp workers: set train.backend=fsdp or train.workers > 1")
         if not 1 <= self.min_sessions <= self.batch_sessions:
             raise ValueError(f"train.min_sessions ({self.min_sessions}) must be between 1 and train.batch_sessions "
                              f"({self.batch_sessions})")

@@ -91,3 +91,29 @@ def test_lora_reaches_a_cpu_only_vllm_as_merged_weights() -> None:
     assert TrainConfig(lora=True, publish="lora").publishes_merged() is False
     assert TrainConfig(lora=True, publish="reload").publishes_merged() is True
     assert TrainConfig(lora=False, publish="reload").publishes_merged() is False
+
+
+def test_trainer_placement_is_checked_when_the_config_loads() -> None:
+    from tracetrain.trainer.devices import check_hardware
+
+    for bad, match in ((["backend=local", "workers=2"], "needs train.backend fsdp"),
+                       (["workers=2", "algorithm=sft"], "local backend only"),
+                       (["ray_address=auto"], "places fsdp workers")):
+        with pytest.raises(ValidationError, match=match):
+            Config(**parse_set(bad))
+    assert Config(**parse_set(["workers=2"])).train.uses_fsdp
+    many = Config(**parse_set(["workers=4096", "device=cpu"])).train
+    with pytest.raises(ValueError, match="4096.*CPU cores.*ray_address"):
+        check_hardware(many)
+    check_hardware(Config(**parse_set(["workers=4096", "device=cpu", "ray_address=auto"])).train)  # a cluster's
+
+
+def test_cuda_is_refused_where_torch_sees_none() -> None:
+    import torch
+
+    from tracetrain.trainer.devices import check_hardware
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")  # the refusal cannot be seen here
+    with pytest.raises(ValueError, match="train.device=cuda, but torch sees no CUDA device"):
+        check_hardware(TrainConfig(device="cuda"))

@@ -12,7 +12,7 @@ import torch
 from tracetrain.config import TrainConfig
 from tracetrain.trainer.algorithms import verl_ops
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
-from tracetrain.trainer.data import Sample, collate, pack, zero_variance_groups
+from tracetrain.trainer.data import Sample, balance, collate, pack, zero_variance_groups
 from tracetrain.trainer.step import rl_advantages
 
 
@@ -137,3 +137,12 @@ def test_the_train_command_refuses_an_unknown_name_before_loading_anything(tmp_p
     assert result.returncode != 0
     assert "train.advantage: 'nosuch' is not registered with verl" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_batches_split_over_workers_by_token_count() -> None:
+    lengths = [900, 100, 400, 400, 300, 300, 50]
+    shares = balance(lengths, 2)
+    loads = sorted(sum(lengths[i] for i in share) for share in shares)
+    assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+    assert loads == [1200, 1250]  # by count it would be 4 vs 3 samples, 1700 vs 750 tokens
+    assert balance([10], 3) == [[0], [], []], "fewer samples than workers leaves shares empty"

@@ -1,13 +1,20 @@
 """Checkpoints: one directory per policy version, written atomically.
 
-`v000007/` holds either a complete Hugging Face model (full fine-tuning; vLLM can reload it) or a
-PEFT adapter (LoRA; vLLM can load it by name), plus `trainer_state.pt` with the optimizer, the
-running baseline and the step, so a restarted trainer continues where it stopped.
+`v000007/` holds what an engine loads (a complete Hugging Face model for full fine-tuning, a PEFT
+adapter for LoRA, and with `merged/` that adapter merged into the base weights), `sharded/` with the
+trainable weights and the optimizer in `torch.distributed.checkpoint` form, which any number of
+workers can load (it is resharded on load), and `trainer_state.pt` with the loop's own state (running
+baseline, counts, version). A backend writes the first two (trainer/local_backend.py,
+trainer/fsdp_worker.py); the loop writes the rest and renames the directory into place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +24,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tracetrain.config import TrainConfig
 
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "sharded"
+MERGED_DIR = "merged"
+"""Inside a LoRA checkpoint: the adapter merged into the base weights, a complete model for engines
+that serve full weights faster than adapters (vLLM on CPU: about twice as fast per token)."""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -24,36 +36,33 @@ def version_dir(root: Path, version: int) -> Path:
 
 
 def build_model(base_dir: Path, cfg: TrainConfig, resume_from: Path | None = None) -> torch.nn.Module:
-    """The trainable policy: the base model, or base + LoRA adapter; from a checkpoint when resuming."""
+    """The trainable policy in float32: the base model, or base + LoRA adapter; from a checkpoint's
+    engine files when `resume_from` is given (the sharded state is loaded separately)."""
     if not cfg.lora:
         source = resume_from if resume_from is not None else base_dir
-        return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, attn_implementation="sdpa")
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="sdpa")
     if resume_from is not None:
         return PeftModel.from_pretrained(base, str(resume_from), is_trainable=True)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                      target_modules=LORA_TARGETS)
     return get_peft_model(base, lora)
 
 
-MERGED_DIR = "merged"
-"""Inside a LoRA checkpoint: the adapter merged into the base weights, a complete model for engines
-that serve full weights faster than adapters (vLLM on CPU: about twice as fast per token)."""
-
-
-def save(root: Path, version: int, model: Any, tokenizer_dir: Path, state: dict[str, Any], keep: int,
-         *, merged: bool = False) -> Path:
-    """Write version `version` to a temporary directory, then rename it into place."""
+def save_version(root: Path, version: int, write: Callable[[Path], None], tokenizer_dir: Path,
+                 state: dict[str, Any], keep: int, *, merged: bool) -> Path:
+    """Have `write` fill a temporary directory (weights, sharded state), add the tokenizer and the
+    loop's state, then rename it into place and prune old versions."""
     target = version_dir(root, version)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.save_pretrained(tmp)
     if merged:
-        _save_merged(model, tmp / MERGED_DIR)
         tokenizer.save_pretrained(tmp / MERGED_DIR)
     torch.save(state, tmp / STATE_FILE)
     shutil.rmtree(target, ignore_errors=True)
@@ -62,17 +71,101 @@ def save(root: Path, version: int, model: Any, tokenizer_dir: Path, state: dict[
     return target
 
 
-def _save_merged(model: Any, path: Path) -> None:
-    model.merge_adapter()
-    try:
+def save_weights(model: Any, path: Path, state_dict: dict[str, Any], cfg: TrainConfig, *,
+                 merged: bool) -> None:
+    """The engine's files from a complete (gathered) state dict: the model or the adapter, and with
+    `merged` the adapter folded into the base weights."""
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    if merged:
         base = model.get_base_model()
-        weights = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
-        clean = {k.replace(".base_layer.", "."): v.detach().clone() for k, v in weights.items()}
+        weights = merge_lora(state_dict, cfg.lora_alpha / cfg.lora_rank)
         if getattr(base.config, "tie_word_embeddings", False):
-            clean.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
-        base.save_pretrained(path, state_dict=clean, safe_serialization=True)
-    finally:
-        model.unmerge_adapter()
+            weights.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
+        base.save_pretrained(path / MERGED_DIR, state_dict=weights, safe_serialization=True)
+
+
+def merge_lora(state_dict: dict[str, Any], scale: float) -> dict[str, torch.Tensor]:
+    """PEFT LoRA state (`…q_proj.base_layer.weight`, `…q_proj.lora_A.default.weight`, …) as plain model
+    weights: W + scale · B·A for every adapted layer (PEFT's own merge, without its in-place editing)."""
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.")
+        if ".base_layer." in key:
+            stem = key.split(".base_layer.")[0]
+            down = state_dict.get(f"{stem}.lora_A.default.weight")
+            up = state_dict.get(f"{stem}.lora_B.default.weight")
+            name = name.replace(".base_layer.", ".")
+            if key.endswith(".weight") and down is not None and up is not None:
+                value = value + scale * (up.float() @ down.float()).to(value.dtype)
+        merged[name] = value.detach().clone()
+    return merged
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Trainable weights and optimizer state, each worker writing its own shards (no gathering)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    with _quiet_single_process():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=_single_process())
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load `save_sharded`'s state into this worker's shards, whatever the worker count that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    # fails on any trainable tensor the checkpoint lacks
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=_single_process())
+    # not strict: the frozen base (LoRA) is not in the checkpoint; it comes from the base model
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size")
+"""The config fields that must agree for a checkpoint's weights to fit a model."""
+
+
+def architecture(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return {k: config.get(k) for k in ARCHITECTURE}
+
+
+def check_base(checkpoint_dir: Path, base_dir: Path) -> None:
+    """Refuse to resume from a checkpoint of another model (the store's latest version was trained
+    from a different `model` than this trainer's), naming both, before any weights load."""
+    state = load_state(checkpoint_dir)
+    trained = state.get("base_model")
+    if trained is None and (checkpoint_dir / "config.json").exists():  # full weights from before the field
+        trained = architecture(checkpoint_dir)
+    ours = architecture(base_dir)
+    if trained is not None and trained != ours:
+        differs = {k: (trained.get(k), ours.get(k)) for k in ARCHITECTURE if trained.get(k) != ours.get(k)}
+        raise ValueError(f"the store's latest version ({checkpoint_dir}) was trained from another model than "
+                         f"{base_dir} ({', '.join(f'{k}: {a} there, {b} here' for k, (a, b) in differs.items())}); "
+                         "train with that model, or on a fresh store and checkpoint directory")
+
+
+def _single_process() -> bool:
+    """The local backend: no process group, so the sharded state is written and read by this process."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """torch warns on every single-process save and load, which is what the local backend means to do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def load_state(path: Path) -> dict[str, Any]:

@@ -94,6 +94,19 @@ def pack(indices: list[int], lengths: list[int], token_budget: int) -> list[list
     return batches
 
 
+def balance(lengths: list[int], parts: int) -> list[list[int]]:
+    """Sample indices split into `parts` shares of nearly equal token count (longest first, each to the
+    lightest share so far: the LPT rule, within 4/3 of the best split). Shares may be empty when there
+    are fewer samples than parts."""
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(i)
+        loads[lightest] += lengths[i]
+    return [sorted(share) for share in shares]
+
+
 @dataclass
 class MicroBatch:
     """Right-padded tensors. Targets are input_ids shifted left: position t predicts token t+1, so the
@@ -106,6 +119,10 @@ class MicroBatch:
     mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(self.indices, *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets,
+                                                                 self.mask, self.behaviour_logprobs, self.versions)))
 
 
 def collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:

@@ -25,17 +25,46 @@ class StepInputs:
     """One scalar per sample (outcome rewards): broadcast over its sampled tokens."""
 
 
-def sequence_logprobs(model: Any, micro: MicroBatch, *, entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each sampled target token under `model` (0 elsewhere), and optionally its entropy.
+@dataclass
+class BatchShare:
+    """This worker's part of a batch split over data-parallel workers (trainer/fsdp_backend.py).
+
+    Losses are normalised by the whole batch's tokens and samples and scaled by `dp_size`, so that
+    FSDP's gradient average over workers equals the gradient of the whole batch (verl's `dp_size`
+    argument to `agg_loss` does this). Every worker runs `micro_batches` forward/backward passes, the
+    same number, because each pass gathers parameters collectively; a worker with fewer micro-batches
+    repeats its last one with weight 0 (and a worker with no samples at all trains on a borrowed one
+    with weight 0: `live` False)."""
+
+    num_tokens: int
+    num_samples: int
+    dp_size: int
+    micro_batches: int
+    live: bool = True
+
+
+class SampledLogits(torch.nn.Module):
+    """A causal LM's logits at the positions whose next token was sampled, and nowhere else.
 
     The vocabulary projection runs only where the mask is 1: prompts are most of the tokens, and
     their logits (49k wide for SmolLM2) would be a fifth of the step's compute and most of its memory.
-    """
-    hidden = model.get_decoder()(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+    It is a module, and every pass goes through its `forward`, because FSDP gathers the root's
+    parameters (embeddings, final norm, head) in hooks on the root module's forward."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+        return self.model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where])  # type: ignore[no-any-return]
+
+
+def sequence_logprobs(policy: SampledLogits, micro: MicroBatch, *, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each sampled target token under `policy` (0 elsewhere), and optionally its entropy."""
     where = micro.mask > 0
-    logits = model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where]).float()
-    log_p = torch.log_softmax(logits, dim=-1)
+    log_p = torch.log_softmax(policy(micro.input_ids, micro.attention_mask, where).float(), dim=-1)
     logprobs = torch.zeros_like(micro.mask, dtype=log_p.dtype)
     logprobs[where] = log_p.gather(-1, micro.targets[where].unsqueeze(-1)).squeeze(-1)
     if not entropy:
@@ -67,57 +96,72 @@ def rl_advantages(samples: list[Sample], cfg: TrainConfig, baseline: RunningBase
     return advantages
 
 
-def train_step(model: Any, optimizer: torch.optim.Optimizer, inputs: StepInputs, cfg: TrainConfig, pad_id: int,
-               reference: Any = None) -> dict[str, float]:
+def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: StepInputs, cfg: TrainConfig,
+               pad_id: int, reference: SampledLogits | None = None, share: BatchShare | None = None
+               ) -> dict[str, float]:
     started = time.perf_counter()
     samples = inputs.samples
-    micro_batches = [collate(samples, idx, pad_id) for idx in
+    device = next(model.parameters()).device
+    micro_batches = [collate(samples, idx, pad_id).to(device) for idx in
                      pack(list(range(len(samples))), [len(s.input_ids) for s in samples], cfg.micro_batch_tokens)]
     num_tokens = sum(int(mb.mask.sum()) for mb in micro_batches)
+    share = share or BatchShare(num_tokens, len(samples), 1, len(micro_batches))
+    # weight 0: a pass that only keeps this worker in step with the others' collectives
+    weights = [1.0 if share.live else 0.0] * len(micro_batches) + [0.0] * (share.micro_batches - len(micro_batches))
+    micro_batches += [micro_batches[-1]] * (share.micro_batches - len(micro_batches))
     config = verl_ops.actor_config(cfg.policy_loss, clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
                                    clip_ratio_high=cfg.clip_ratio_high, loss_agg_mode=cfg.loss_agg_mode,
-                                   batch_num_tokens=num_tokens, global_batch_size=len(samples))
+                                   batch_num_tokens=share.num_tokens, global_batch_size=share.num_samples,
+                                   dp_size=share.dp_size)
     model.train()
     old = [sequence_logprobs(model, mb)[0].detach() for mb in micro_batches] if cfg.ppo_epochs > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0}
     for _epoch in range(cfg.ppo_epochs):
-        for k, mb in enumerate(micro_batches):
+        for k, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             logprobs, entropies = sequence_logprobs(model, mb, entropy=cfg.entropy_coef > 0)
             old_logprobs = old[k] if old is not None else logprobs.detach()
-            advantages = torch.tensor([inputs.advantages[i] for i in mb.indices]).unsqueeze(1) * mb.mask
-            weights = truncated_is_weights(old_logprobs, mb.behaviour_logprobs, mb.mask, cfg.tis_cap) \
+            advantages = torch.tensor([inputs.advantages[i] for i in mb.indices], device=device).unsqueeze(1) * mb.mask
+            is_weights = truncated_is_weights(old_logprobs, mb.behaviour_logprobs, mb.mask, cfg.tis_cap) \
                 if cfg.tis_cap else None
             loss, _ = verl_ops.policy_loss(cfg.policy_loss, old_logprobs, logprobs, advantages, mb.mask, config,
-                                           weights)
+                                           is_weights)
             if cfg.kl_coef > 0 and reference is not None:
                 with torch.no_grad():
                     ref_logprobs, _ = sequence_logprobs(reference, mb)
                 kl = verl_ops.aggregate(verl_ops.kl_to_reference(logprobs, ref_logprobs, cfg.kl_type), mb.mask, config)
                 loss = loss + cfg.kl_coef * kl
-                totals["kl"] += float(kl)
+                totals["kl"] += weight * float(kl) / share.dp_size
             if entropies is not None:
                 entropy = verl_ops.aggregate(entropies, mb.mask, config)
                 loss = loss - cfg.entropy_coef * entropy
-                totals["entropy"] += float(entropy) / cfg.ppo_epochs
-            (loss / cfg.ppo_epochs).backward()
-            totals["loss"] += float(loss.detach()) / cfg.ppo_epochs
-            if weights is not None:
-                totals["is_weight"] += float((weights * mb.mask).sum()) / max(num_tokens, 1) / cfg.ppo_epochs
+                totals["entropy"] += weight * float(entropy) / cfg.ppo_epochs / share.dp_size
+            (weight * loss / cfg.ppo_epochs).backward()
+            totals["loss"] += weight * float(loss.detach()) / cfg.ppo_epochs / share.dp_size
+            if is_weights is not None:
+                totals["is_weight"] += weight * float((is_weights * mb.mask).sum()) / max(share.num_tokens, 1) \
+                    / cfg.ppo_epochs
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     elapsed = time.perf_counter() - started
-    total_tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches) * cfg.ppo_epochs
-    return {**totals, "grad_norm": float(grad_norm), "trained_tokens": num_tokens, "step_seconds": elapsed,
-            "tokens_per_second": total_tokens / elapsed, "micro_batches": len(micro_batches)}
+    total_tokens = sum(int(mb.attention_mask.sum()) for mb, w in zip(micro_batches, weights, strict=True) if w) \
+        * cfg.ppo_epochs
+    return {**totals, "grad_norm": float(_full(grad_norm)), "trained_tokens": num_tokens if share.live else 0,
+            "step_seconds": elapsed, "tokens_per_second": total_tokens / elapsed, "micro_batches": len(micro_batches)}
 
 
-def sft_step(model: Any, optimizer: torch.optim.Optimizer, samples: list[Sample], cfg: TrainConfig,
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's sharded grad norm) as a plain tensor."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def sft_step(model: SampledLogits, optimizer: torch.optim.Optimizer, samples: list[Sample], cfg: TrainConfig,
              pad_id: int) -> dict[str, float]:
     chosen = select_for_sft([s.reward for s in samples], cfg.sft_min_reward)
     if not chosen:
         return {"loss": 0.0, "trained_tokens": 0}
-    micro_batches = [collate(samples, idx, pad_id) for idx in
+    device = next(model.parameters()).device
+    micro_batches = [collate(samples, idx, pad_id).to(device) for idx in
                      pack(chosen, [len(s.input_ids) for s in samples], cfg.micro_batch_tokens)]
     num_tokens = sum(int(mb.mask.sum()) for mb in micro_batches)
     model.train()
@@ -132,8 +176,9 @@ def sft_step(model: Any, optimizer: torch.optim.Optimizer, samples: list[Sample]
     return {"loss": total, "trained_tokens": num_tokens, "sft_samples": len(chosen)}
 
 
-def dpo_step(model: Any, reference: Any, optimizer: torch.optim.Optimizer, samples: list[Sample],
-             cfg: TrainConfig, pad_id: int) -> dict[str, float]:
+def dpo_step(model: SampledLogits, reference: SampledLogits | None, optimizer: torch.optim.Optimizer,
+             samples: list[Sample], cfg: TrainConfig, pad_id: int) -> dict[str, float]:
+    assert reference is not None, "dpo compares against the reference model"
     groups: dict[str, list[tuple[int, float]]] = {}
     for i, s in enumerate(samples):
         groups.setdefault(s.group_id, []).append((i, s.reward))
@@ -143,7 +188,7 @@ def dpo_step(model: Any, reference: Any, optimizer: torch.optim.Optimizer, sampl
     model.train()
     total = 0.0
     for chosen, rejected in pairs:
-        mb = collate(samples, [chosen, rejected], pad_id)
+        mb = collate(samples, [chosen, rejected], pad_id).to(next(model.parameters()).device)
         policy = (sequence_logprobs(model, mb)[0] * mb.mask).sum(-1)
         with torch.no_grad():
             ref = (sequence_logprobs(reference, mb)[0] * mb.mask).sum(-1)

@@ -64,14 +64,16 @@ class _AlgoConfigLike(dict):  # type: ignore[type-arg]
 
 
 def actor_config(loss: str, *, clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None,
-                 loss_agg_mode: str, batch_num_tokens: int, global_batch_size: int, **extra: Any) -> ActorConfig:
+                 loss_agg_mode: str, batch_num_tokens: int, global_batch_size: int, dp_size: int = 1,
+                 **extra: Any) -> ActorConfig:
     """The slice of verl's actor config its policy losses read; `global_batch_info` makes each
-    micro-batch's loss a share of the whole batch's mean, so micro-batch gradients simply add up."""
+    micro-batch's loss a share of the whole batch's mean, so micro-batch gradients simply add up (and,
+    scaled by `dp_size`, so that data-parallel workers' averaged gradients do too)."""
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
                        clip_ratio=clip_ratio, clip_ratio_low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
                        clip_ratio_high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
                        loss_agg_mode=loss_agg_mode, policy_loss=PolicyLossConfig(loss_mode=loss),
-                       global_batch_info={"batch_num_tokens": batch_num_tokens,
+                       global_batch_info={"batch_num_tokens": batch_num_tokens, "dp_size": dp_size,
                                           "global_batch_size": global_batch_size}, **extra)
 
 

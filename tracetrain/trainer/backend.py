@@ -1,0 +1,50 @@
+"""Where a training step runs: the seam between the learning loop and the hardware.
+
+The loop (trainer/loop.py) gathers batches, computes advantages, checkpoints and records versions; a
+backend owns the model and the optimizer, runs one optimizer step on a batch, and writes weights.
+Both backends run the same step (trainer/step.py) with the same verl losses:
+
+- `local` (trainer/local_backend.py): this process, one device: the CPU demo's backend.
+- `fsdp` (trainer/fsdp_backend.py): torch FSDP2 over Ray actors, one per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tracetrain.config import TrainConfig
+from tracetrain.trainer.data import Sample
+
+
+@dataclass
+class StepBatch:
+    samples: list[Sample]
+    advantages: list[float] | None = None
+    """One scalar per sample for `rl`; None for `sft` and `dpo`."""
+
+
+class TrainerBackend(Protocol):
+    def step(self, batch: StepBatch) -> dict[str, Any]:
+        """One optimizer step on `batch`; the step's figures (loss, grad_norm, tokens/s, peak memory …)."""
+        ...
+
+    def save(self, path: Path, *, merged: bool) -> None:
+        """Write the engine's files and the sharded training state into the directory `path`."""
+        ...
+
+    def close(self) -> None:
+        """Free the devices and processes (a no-op for `local`)."""
+        ...
+
+
+def make_backend(cfg: TrainConfig, base_dir: Path, resume: Path | None) -> TrainerBackend:
+    """The backend `cfg` names, with its model built from `base_dir` or resumed from checkpoint `resume`."""
+    if cfg.uses_fsdp:
+        from tracetrain.trainer.fsdp_backend import FSDPBackend
+
+        return FSDPBackend(cfg, base_dir, resume)
+    from tracetrain.trainer.local_backend import LocalBackend
+
+    return LocalBackend(cfg, base_dir, resume)

@@ -1,0 +1,47 @@
+"""Which device and precision the trainer uses, and refusing combinations this machine cannot run.
+
+`check_hardware` runs when the trainer's configuration loads (before Ray starts or a model loads), so
+`device=cuda` on a machine without CUDA fails in a second with a sentence, not in a worker's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tracetrain.config import TrainConfig
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    """`cpu` or `cuda` (`auto`: cuda when a CUDA device is visible)."""
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def check_hardware(cfg: TrainConfig) -> None:
+    """Raise ValueError naming the setting when this machine cannot train with `cfg`."""
+    device = resolve_device(cfg)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda, but torch sees no CUDA device here (torch "
+                         f"{torch.__version__}; a CPU-only build cannot use a GPU)")
+    if cfg.uses_fsdp and cfg.ray_address is None:
+        # on a Ray cluster the workers land on other machines, whose devices this one cannot count
+        available = torch.cuda.device_count() if device == "cuda" else os.cpu_count() or 1
+        unit = "CUDA devices" if device == "cuda" else "CPU cores"
+        if cfg.workers > available:
+            raise ValueError(f"train.workers={cfg.workers}, but this machine has {available} {unit}; "
+                             "set train.ray_address to place workers on a cluster")
+    if cfg.dtype == "bfloat16":
+        if device == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"train.dtype=bfloat16, but {torch.cuda.get_device_name()} lacks bfloat16 "
+                             "(Ampere or newer has it); use float32")
+        if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            raise ValueError("train.dtype=bfloat16, but this CPU has no bfloat16 instructions (AVX512-BF16 or "
+                             "AMX); use float32")
+
+
+def autocast(cfg: TrainConfig, device: str) -> torch.autocast:
+    """bfloat16 compute over float32 weights for the local backend (FSDP casts with its own policy)."""
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")

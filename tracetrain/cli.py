@@ -100,6 +100,12 @@ def serve(config: Config, *, train: bool = False) -> None:
                                                   hold=gateway.hold_for_training))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
+        if train and config.train.uses_fsdp:
+            from tracetrain.trainer.fsdp_backend import start_ray
+
+            # Here, in the main thread, and before the handler below: Ray installs its own SIGTERM
+            # handler, which would end the process without running the ExitStack.
+            start_ray(config.train)
         # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the
         # ExitStack stop the vLLM server instead of the process dying and orphaning it.
         signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -131,12 +131,18 @@ def test_unknown_algorithm_names_are_refused_before_any_work(tmp_path: Path, mon
     verl_ops.check_names(TrainConfig(plugins=["my_algos"], advantage="my_estimator_for_tests"))
 
 
-def test_the_train_command_refuses_an_unknown_name_before_loading_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("setting", "says"), [
+    ("advantage=nosuch", "train.advantage: 'nosuch' is not registered with verl"),
+    ("workers=4096", "train.workers=4096, but this machine has"),
+], ids=["unknown-name", "too-many-workers"])
+def test_the_train_command_refuses_bad_settings_before_loading_anything(tmp_path: Path, setting: str,
+                                                                        says: str) -> None:
     result = subprocess.run([sys.executable, "-m", "tracetrain.cli", "train", "--db-url", f"sqlite:///{tmp_path}/x.db",
-                             "--set", "advantage=nosuch"], capture_output=True, text=True, timeout=120)
+                             "--set", setting], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "train.advantage: 'nosuch' is not registered with verl" in result.stderr
+    assert says in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.db").exists(), "refused before the store was touched"
 
 
 def test_batches_split_over_workers_by_token_count() -> None:

@@ -37,15 +37,21 @@ def _ray() -> Any:
     return ray
 
 
+def start_ray(cfg: TrainConfig) -> bool:
+    """Connect to `cfg.ray_address`, or start a local Ray; False when this process already had one."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    return True
+
+
 class FSDPBackend:
     def __init__(self, cfg: TrainConfig, base_dir: Path, resume: Path | None) -> None:
         ray = _ray()
         self.cfg = cfg
         started = time.perf_counter()
-        self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True,
-                     logging_level=logging.WARNING)
+        self.owns_ray = start_ray(cfg)
         ray_up = time.perf_counter()
         gpu = resolve_device(cfg) == "cuda"
         # On CPU a worker's device is its share of the cores (Ray sets its threads to match); on a

@@ -4,6 +4,7 @@ at the newest revision on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.store import queries, schema
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine, open_engine
-from tracetrain.store.models import AgentSession, Call, Policy, Reward
+from tracetrain.store.messages import call_messages
 from tracetrain.store.trajectory import session_trajectories
 from tracetrain.trainer.loop import Trainer
 
@@ -28,22 +29,28 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _store_0_1(path: Path) -> str:
-    """A 0.1 store with one group of two finished one-call sessions, rows as 0.1 wrote them."""
+    """A 0.1 store with one group of two finished one-call sessions, rows written as 0.1 wrote them
+    (plain SQL: today's models have columns the 0.1 tables lack)."""
+    now = "2026-01-01 00:00:00.000000"
     with sqlite3.connect(path) as connection:
         connection.executescript(SCHEMA_0_1.read_text())
-    url = f"sqlite:///{path}"
-    with Session(open_engine(url)) as db:
-        db.add(Policy(version=0))
+        connection.execute("INSERT INTO policies (version, created_at, kind, metrics) VALUES (0, ?, 'base', '{}')",
+                           (now,))
         for i, reward in enumerate((0.0, 1.0)):
             sid = f"old-{i}"
-            db.add(AgentSession(id=sid, group_id="g", status="final"))
-            db.add(Call(id=f"{sid}-c", completion_id=f"chatcmpl-{sid}", session_id=sid, group_id="g", link="start",
-                        model="tiny", policy_version=0, state_hash=sid, prompt_ids=encode_ids([1, 4093, 198, 6004, 2]),
-                        completion_ids=encode_ids([28, 29 + i, 2]), completion_logprobs=encode_floats([-10.8] * 3),
-                        messages=[{"role": "user", "content": "hi"}], response_message={"role": "assistant"}))
-            db.add(Reward(session_id=sid, value=reward, final=True))
-        db.commit()
-    return url
+            connection.execute("INSERT INTO sessions (id, group_id, status, created_at, updated_at) "
+                               "VALUES (?, 'g', 'final', ?, ?)", (sid, now, now))
+            connection.execute(
+                "INSERT INTO calls (id, completion_id, choice_index, session_id, group_id, seq, link, model, "
+                "policy_version, prefix_len, prompt_tokens, completion_tokens, latency_ms, created_at, state_hash, "
+                "prompt_ids, completion_ids, completion_logprobs, messages, response_message, request_params) "
+                "VALUES (?, ?, 0, ?, 'g', 0, 'start', 'tiny', 0, 0, 5, 3, 0.0, ?, ?, ?, ?, ?, ?, ?, '{}')",
+                (f"{sid}-c", f"chatcmpl-{sid}", sid, now, sid, encode_ids([1, 4093, 198, 6004, 2]),
+                 encode_ids([28, 29 + i, 2]), encode_floats([-10.8] * 3),
+                 json.dumps([{"role": "user", "content": "hi"}]), json.dumps({"role": "assistant"})))
+            connection.execute("INSERT INTO rewards (session_id, value, final, created_at) VALUES (?, ?, 1, ?)",
+                               (sid, reward, now))
+    return f"sqlite:///{path}"
 
 
 def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -62,6 +69,8 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
     engine = make_engine(url)
     with Session(engine) as db:
         (trajectory,) = session_trajectories(queries.session_calls(db, session_id="old-1"))
+        (old_call,) = queries.session_calls(db, session_id="old-0")
+        assert call_messages(db, call=old_call) == [{"role": "user", "content": "hi"}], "0.1 rows keep all messages"
     (segment,) = trajectory["segments"]
     assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")

@@ -24,6 +24,8 @@ class ChainNode:
     message_count: int
     """Messages of the request plus the reply: the length of history this node stands for."""
     has_child: bool = False
+    request_messages: list[dict[str, Any]] | None = None
+    """The call's request messages as sent, when known: a call extending it stores only what it added."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from tracetrain.proxy.gate import GenerationGate
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.store import queries
+from tracetrain.store.messages import full_messages
 from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
@@ -163,6 +164,7 @@ class Gateway:
                 full_ids=full_ids(call, by_id),
                 message_count=message_count,
                 has_child=queries.has_chained_child(db, call_id=call.id),
+                request_messages=full_messages(call, by_id),
             )
         self.chains.put(session_id, state_hash, node)
         return node
@@ -193,6 +195,8 @@ class Gateway:
         """Run a read-only query in a worker thread."""
         return await asyncio.to_thread(self._read, fn)
 
-    def remember_calls(self, calls: list[Call], chains: list[list[int]], message_count: int) -> None:
+    def remember_calls(self, calls: list[Call], chains: list[list[int]], message_count: int,
+                       request_messages: list[dict[str, Any]]) -> None:
         for call, chain in zip(calls, chains, strict=True):
-            self.chains.put(call.session_id, call.state_hash, ChainNode(call.id, chain, message_count))
+            self.chains.put(call.session_id, call.state_hash,
+                            ChainNode(call.id, chain, message_count, request_messages=request_messages))

@@ -28,6 +28,7 @@ from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_forced_call, parse_reply
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
+from tracetrain.store.messages import shared_prefix
 from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call
 
 
@@ -199,11 +200,20 @@ def finish_reason(choice: Choice, message: dict[str, Any]) -> str:
     return "tool_calls" if message.get("tool_calls") else (choice.finish_reason or "stop")
 
 
+def _inherited_messages(turn: Turn) -> int:
+    """Leading request messages the parent call already stores (see store/messages.py)."""
+    parent = turn.parent
+    if parent is None or parent.request_messages is None or parent.call_id != turn.plan.parent_id:
+        return 0
+    return shared_prefix(parent.request_messages, turn.spec.request_messages)
+
+
 async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None:
     """Commit the session (if new) and one call per choice; return once durable."""
     plan, spec = turn.plan, turn.spec
     prompt_delta = plan.prompt_ids[plan.prefix_len :]
     latency_ms = (time.perf_counter() - turn.started) * 1000
+    inherited = _inherited_messages(turn)
     calls: list[Call] = []
     for choice, reply in zip(turn.choices, replies, strict=True):
         state = (hashlib.sha256(encode_ids(plan.prompt_ids + choice.token_ids)).hexdigest()
@@ -218,8 +228,9 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             prompt_tokens=len(plan.prompt_ids), completion_tokens=len(choice.token_ids),
             latency_ms=latency_ms, owner=turn.owner, state_hash=state,
             prompt_ids=encode_ids(prompt_delta), completion_ids=encode_ids(choice.token_ids),
-            completion_logprobs=encode_floats(choice.logprobs), messages=spec.request_messages,
-            response_message=reply, request_params={**spec.params.__dict__, **spec.record_params},
+            completion_logprobs=encode_floats(choice.logprobs), messages=spec.request_messages[inherited:],
+            messages_inherited=inherited, response_message=reply,
+            request_params={**spec.params.__dict__, **spec.record_params},
         ))
 
     known = None if turn.new_session else await gw.session_info(turn.session_id)
@@ -231,7 +242,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     if turn.new_session:
         gw.metrics.sessions.inc()
     chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
-    gw.remember_calls(calls, chains, len(spec.messages) + 1)
+    gw.remember_calls(calls, chains, len(spec.messages) + 1, spec.request_messages)
     # Every call, whatever its API: a text completion in the same session extends the latest one.
     gw.remember_latest(turn.session_id, ChainNode(calls[0].id, chains[0], 0))
     if turn.parent is not None and plan.link in CHAINED_LINKS:

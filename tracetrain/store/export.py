@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from tracetrain.store import queries
+from tracetrain.store.messages import full_messages
 from tracetrain.store.trajectory import session_trajectories
 
 
@@ -38,7 +39,7 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
                 "reward": total, "final": session.status == "final",
                 # Which step learned from it, or why the online trainer left it (stale, zero_variance, ...).
                 "trained_version": session.trained_version, "unused_reason": session.skip_reason,
-                "prompt": last.messages, "completion": [last.response_message],
+                "prompt": full_messages(last, by_id), "completion": [last.response_message],
             }
 
 

@@ -84,6 +84,10 @@ class Call(CallBase, table=True):
     completion_ids: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     completion_logprobs: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     messages: list[dict[str, Any]] = Field(sa_column=Column(JSON, nullable=False))
+    """The request's messages after the first `messages_inherited` (store/messages.py rebuilds them all)."""
+    messages_inherited: int = 0
+    """Leading request messages not stored on this row because they are the first ones of the parent
+    call's (`parent_id`): a 50-turn session stores its history once, not 50 times."""
     response_message: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
     request_params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
 

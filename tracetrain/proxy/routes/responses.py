@@ -37,6 +37,7 @@ from tracetrain.proxy.serving import (
     text_pieces,
 )
 from tracetrain.store import queries
+from tracetrain.store.messages import call_messages
 from tracetrain.store.models import Call
 
 router = APIRouter()
@@ -92,7 +93,8 @@ async def _spec(gw: Gateway, request: Request, body: ResponsesRequest, caller: C
             raise APIError(400, f"previous_response_id belongs to session '{previous.session_id}', not "
                            f"'{binding.session_id}'.", code="session_mismatch", param="previous_response_id")
         binding = Binding(previous.session_id, binding.group_id)
-        history = [m for m in previous.messages if m.get("source") != INSTRUCTIONS] + [previous.response_message]
+        sent = await gw.read(lambda db: call_messages(db, call=previous))
+        history = [m for m in sent if m.get("source") != INSTRUCTIONS] + [previous.response_message]
     known = {c["id"] for m in history for c in m.get("tool_calls") or []}
     conversation = history + input_messages(body.input, known)
     if body.instructions:

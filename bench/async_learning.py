@@ -19,7 +19,7 @@ admission), with the rest by reason (stale, zero-variance, still ready or runnin
 For seed k the arms run in an order rotated by k, one at a time, each with its own wall-clock budget
 counted from before its processes start.
 
-    python -m bench.async_learning --seeds 0 1 2 --minutes 9
+    python -m bench.async_learning --seeds 0 1 2 --minutes 7
     python -m bench.async_learning --seeds 0 --minutes 2 --arms async-admission --output async_learning_smoke
 
 Results: `bench/results/<output>.{md,png,json}`.
@@ -53,7 +53,7 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "defaults": ({}, {}),
 }
 """(train settings, gateway settings) per arm."""
-AT_MINUTES = (4.0, 6.0, 8.0)
+AT_MINUTES = (3.0, 5.0, 7.0)
 """Held-out reward is reported at these times (from the arm's start, start-up included)."""
 
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget per run, start-up included")
+    parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock budget per run, start-up included")
     parser.add_argument("--eval-every", type=float, default=90.0)
     parser.add_argument("--eval-size", type=int, default=len(arithmetic.TEST))
     parser.add_argument("--output", default="async_learning")
@@ -169,12 +169,16 @@ def main(argv: list[str] | None = None) -> None:
         raw = json.loads(raw_path.read_text())
         runs = [ArmRun.from_json(r) for r in raw["runs"]]
     else:
-        runs = []
+        runs, failed = [], []
         for k, seed in enumerate(args.seeds):
             for order, arm in enumerate(rotated(list(args.arms), k)):
                 console.rule(f"{arm}, seed {seed}, {args.minutes:g} min")
-                runs.append(run_arm(arm, seed, order, args))
-        raw = {"args": vars(args), "machine": machine_line(), "command": " ".join(sys.argv),
+                try:
+                    runs.append(run_arm(arm, seed, order, args))
+                except (Exception, SystemExit) as exc:  # one broken run must not lose the others; reported
+                    console.log(f"[red]{arm} seed {seed} failed: {exc}")
+                    failed.append(f"{arm} seed {seed}: {type(exc).__name__}: {str(exc)[:300]}")
+        raw = {"failed": failed, "args": vars(args), "machine": machine_line(), "command": " ".join(sys.argv),
                "threshold": THRESHOLD, "arms": {a: {"train": t, "gateway": g} for a, (t, g) in ARMS.items()},
                "runs": [asdict(r) for r in runs]}
         raw_path.write_text(json.dumps(raw, indent=1))
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
              f"construction), greedy, every {args.eval_every:g} s",
              "trained share = sessions a step learned from / episodes the agent finished; the rest is set aside in the "
              "store by reason (stale, zero_variance, no_samples) or still ready/running when the budget ended",
-             f"arms' settings: {json.dumps(raw['arms'])}"]
+             f"arms' settings: {json.dumps(raw['arms'])}",
+             *[f"FAILED run, not in the tables: {f}" for f in raw.get("failed", [])]]
     write_results(args.output, "Sync vs async learning, with and without admission", raw.get("command", ""),
                   [summary(runs, arms, THRESHOLD), runs_table(runs, THRESHOLD)], notes)
 

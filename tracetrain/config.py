@@ -220,8 +220,10 @@ class Config(BaseSettings):
     """Batches of `train.batch_sessions` that may be ready or in flight under `admission: staleness`.
     1 keeps the next batch generating while one trains; more keeps the engine busier, but the trainer
     takes the freshest sessions first, so what is beyond one batch ages and may go stale."""
-    admission_wait_s: float = Field(default=30.0, ge=0)
-    """How long a held new session waits for room before it is refused with 429 and `Retry-After`."""
+    admission_wait_s: float = Field(default=120.0, ge=0)
+    """How long a held new session waits for room before it is refused with 429 and `Retry-After`: long
+    enough to cover a training step on most setups, so unchanged agents (the OpenAI SDK retries a 429
+    twice) rarely see one, and well inside the SDKs' own request timeouts (600 s)."""
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:

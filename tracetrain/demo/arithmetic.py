@@ -21,12 +21,13 @@ import asyncio
 import json
 import random
 import re
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
-from openai import AsyncOpenAI
+from openai import APIError, AsyncOpenAI
 
 SYSTEM = "You are a calculator. Reply with only the number."
 EXAMPLES = [("What is 3 + 4?", "7"), ("What is 12 + 5?", "17")]
@@ -34,6 +35,8 @@ EXAMPLES = [("What is 3 + 4?", "7"), ("What is 12 + 5?", "17")]
 Both are in `TRAIN` (see below), never in the held-out sets."""
 MAX_TOKENS = 8
 """Answer-token cap of every attempt, training and evaluation alike (benchmarks use the same)."""
+RETRIES = 20
+"""Retries per request (429s while the trainer catches up, a reloading engine's 503s)."""
 
 OPERANDS = range(1, 31)
 SPLIT_SEED = 20_261_123
@@ -120,8 +123,15 @@ async def train_episodes(args: argparse.Namespace) -> None:
             nonlocal done, total
             async with limit:
                 session = f"arith-{uuid.uuid4().hex[:12]}"
-                client = AsyncOpenAI(base_url=f"{args.gateway}/s/{session}/g/{group}/v1", api_key=args.api_key)
-                reply, version = await attempt(client, args.model, question, args.temperature)
+                # A gateway under `admission: staleness` answers 429 with Retry-After while the trainer
+                # catches up; the SDK waits that long and retries, as often as this allows.
+                client = AsyncOpenAI(base_url=f"{args.gateway}/s/{session}/g/{group}/v1", api_key=args.api_key,
+                                     max_retries=RETRIES)
+                try:
+                    reply, version = await attempt(client, args.model, question, args.temperature)
+                except APIError as exc:  # one lost episode is not worth stopping the agent for
+                    print(f"episode {session} failed: {exc}", file=sys.stderr, flush=True)
+                    return
                 reward = score(reply, answer)
                 posted = await http.post(f"{args.gateway}/v1/rewards",
                                          json={"session_id": session, "reward": reward, "final": True})

@@ -193,3 +193,27 @@ def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, t
     again = Trainer(_config(tmp_path, lora=False, **values), db, tiny_model_path)
     assert again.version == 1 and again.counts["steps"] == 1
     assert again.step_once() and again.version == 2
+
+
+def test_activation_checkpointing_and_bfloat16_on_two_workers(local_ray: None, tiny_model_path: Path,
+                                                                tmp_path: Path) -> None:
+    """Recomputing activations changes nothing in float32 (same weights as the plain local step);
+    bfloat16 compute over float32 master weights gives the float32 step's loss to bfloat16 precision
+    (2**-8 relative per operation: a few per cent after a forward pass) and float32 weights."""
+    samples, advantages = _samples(seed=4)
+    local = _local(_config(tmp_path, lora=False), tiny_model_path)
+    expected_figures = local.step(StepBatch(samples, advantages))
+    expected = _trainable(local)
+    for overrides in ({"activation_checkpointing": True}, {"dtype": "bfloat16"}):
+        fsdp = FSDPBackend(_config(tmp_path, lora=False, workers=2, **overrides), tiny_model_path, None)
+        try:
+            figures = fsdp.step(StepBatch(samples, advantages))
+            weights = fsdp.weights()
+        finally:
+            fsdp.close()
+        assert all(w.dtype == torch.float32 for w in weights.values()), "master weights stay float32"
+        if "dtype" in overrides:
+            assert figures["loss"] == pytest.approx(expected_figures["loss"], rel=0.05, abs=1e-3)
+        else:
+            _assert_same_step(expected_figures, figures)
+            assert _max_difference(expected, weights) < 1e-3 * 1e-2

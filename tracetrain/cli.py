@@ -28,11 +28,13 @@ def _model_dir(config: Config) -> Path:
 def _vllm_available(config: Config) -> bool:
     from tracetrain.engines.vllm_server import find_vllm_python
 
-    return config.engine_url is not None or (config.vllm_python or find_vllm_python()) is not None
+    return bool(config.engine_url) or (config.vllm_python or find_vllm_python()) is not None
 
 
 def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
-    """The engine the config asks for; `auto` falls back to in-process transformers without vLLM."""
+    """The engine the config asks for; `auto` falls back to in-process transformers without vLLM. vLLM
+    is always a replica set (of one, usually): it bounds outstanding requests, fails over, and starts a
+    server it started again when that server dies."""
     kind = config.engine
     if kind == "auto":
         kind = "vllm" if _vllm_available(config) else "transformers"
@@ -42,24 +44,36 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
         from tracetrain.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine(model_dir, model_name=config.served_model_name)
+    from tracetrain.engines.replicas import Replica, ReplicaSet
     from tracetrain.engines.vllm import VLLMEngine
     from tracetrain.engines.vllm_server import VLLMServer
 
-    url = config.engine_url
-    if url is None:
-        server = VLLMServer(
-            model_dir, port=config.vllm_port, served_model_name=config.served_model_name,
-            python=config.vllm_python, extra_args=config.vllm_args,
-            enable_lora=config.train.lora and not config.train.publishes_merged(),
-            max_lora_rank=config.train.lora_rank,
-        )
-        stack.enter_context(server)
-        url = server.url
-    return VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s)
+    started: list[VLLMServer] = []
+    if not config.engine_url:
+        started = [VLLMServer(model_dir, port=config.vllm_port + i, served_model_name=config.served_model_name,
+                              python=config.vllm_python, extra_args=config.vllm_args,
+                              enable_lora=config.train.lora and not config.train.publishes_merged(),
+                              max_lora_rank=config.train.lora_rank)
+                   for i in range(config.replicas)]
+        for server in started:
+            stack.callback(server.stop)
+        for server in started:  # all launched first: they load in parallel
+            server.launch()
+        for server in started:
+            server.wait_healthy()
+    urls = config.engine_url or [server.url for server in started]
+    servers: list[VLLMServer | None] = list(started) or [None] * len(urls)
+    replicas = [Replica(VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s),
+                        server=server) for url, server in zip(urls, servers, strict=True)]
+    return ReplicaSet(replicas, spill_at=config.replica_spill_at, max_outstanding=config.replica_max_outstanding,
+                      queue_wait_s=config.replica_queue_wait_s, queue_limit=config.replica_queue_limit,
+                      routing=config.replica_routing)
 
 
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
-    """How trained weights reach this engine: in-process swap, vLLM LoRA load, or vLLM reload."""
+    """How trained weights reach this engine: in-process swap, or vLLM LoRA load or reload on every
+    replica."""
+    from tracetrain.engines.replica_publish import ReplicaPublisher
     from tracetrain.engines.transformers_engine import TransformersEngine
     from tracetrain.engines.transformers_publish import InProcessPublisher
     from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
@@ -71,7 +85,10 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
         return InProcessPublisher(engine)
     if mode == "auto":
         mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"
-    return VLLMLoRAPublisher(engine) if mode == "lora" else VLLMReloadPublisher(engine, model_dir)
+    engines = [r.engine for r in engine.replicas]
+    if mode == "lora":
+        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines])
+    return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines])
 
 
 def serve(config: Config, *, train: bool = False) -> None:
@@ -183,9 +200,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="gateway + vLLM + an example agent posting rewards (see tracetrain.demo)")
     serve_p = sub.add_parser("serve", help="run the gateway in front of an engine")
-    for flag, kind in (("host", str), ("port", int), ("engine", str), ("engine-url", str), ("model", str),
-                       ("served-model-name", str), ("db-url", str), ("vllm-port", int), ("admin-key", str)):
+    for flag, kind in (("host", str), ("port", int), ("engine", str), ("model", str), ("served-model-name", str),
+                       ("db-url", str), ("vllm-port", int), ("admin-key", str), ("replicas", int)):
         serve_p.add_argument(f"--{flag}", type=kind)
+    serve_p.add_argument("--engine-url", action="append", dest="engine_url",
+                         help="a running vLLM server (repeatable: several are replicas)")
     serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")
     serve_p.add_argument("--train", action="store_true", help="run the trainer in the gateway process")
     train_p = sub.add_parser("train", help="run the trainer as its own process against the same store")

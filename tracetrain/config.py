@@ -6,12 +6,13 @@ from __future__ import annotations
 import ipaddress
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -174,8 +175,24 @@ class Config(BaseSettings):
     engine: Literal["auto", "vllm", "transformers"] = "auto"
     """`vllm` starts or connects to a vLLM server; `transformers` runs in-process; `auto` picks vLLM
     when it is installed."""
-    engine_url: str | None = None
-    """Base URL of a running vLLM server (http://host:port) instead of starting one."""
+    engine_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Base URLs of running vLLM servers (http://host:port) instead of starting one; several make
+    replicas: sessions stick to one, new sessions go to the least loaded (`--engine-url` repeatable)."""
+    replicas: int = Field(default=1, ge=1)
+    """vLLM servers to start on this machine (ports `vllm_port`, `vllm_port + 1`, ...) when no
+    `engine_url` is given."""
+    replica_routing: Literal["sticky", "round_robin"] = "sticky"
+    """`sticky`: a session's calls go to the replica holding its prefix, new sessions to the least
+    loaded; `round_robin`: every call to the next replica (no affinity; for comparison)."""
+    replica_spill_at: int = Field(default=8, ge=1)
+    """Outstanding requests on a session's replica at which its next call goes to a less loaded one
+    (recorded as `route: spill`): the prefix is recomputed there, but the call does not queue."""
+    replica_max_outstanding: int = Field(default=64, ge=1)
+    """Requests the gateway has outstanding on one replica at most; beyond it requests wait."""
+    replica_queue_wait_s: float = Field(default=30.0, ge=0)
+    """How long a request waits for room on a replica before it is answered 429 with `Retry-After`."""
+    replica_queue_limit: int = Field(default=1024, ge=0)
+    """Requests that may wait for room at once; more are answered 429 at once."""
     model: str = "smollm2"
     """Model directory, or `smollm2` for the embedded SmolLM2-135M-Instruct (converted once, cached)."""
     served_model_name: str = "smollm2-135m-instruct"
@@ -224,6 +241,27 @@ class Config(BaseSettings):
     """How long a held new session waits for room before it is refused with 429 and `Retry-After`: long
     enough to cover a training step on most setups, so unchanged agents (the OpenAI SDK retries a 429
     twice) rarely see one, and well inside the SDKs' own request timeouts (600 s)."""
+
+    @field_validator("engine_url", mode="before")
+    @classmethod
+    def _one_url(cls, value: Any) -> Any:
+        """One URL as a plain string (YAML, `TRACETRAIN_ENGINE_URL=http://…`) is a list of one."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [u for u in value.replace(",", " ").split() if u]
+        return value
+
+    @model_validator(mode="after")
+    def _check_engines(self) -> Config:
+        if self.engine_url and self.replicas > 1:
+            raise ValueError("replicas starts vLLM servers here; with engine_url, list every server instead")
+        if self.engine == "transformers" and (self.replicas > 1 or self.engine_url):
+            raise ValueError("engine: transformers runs in-process; replicas and engine_url need engine: vllm")
+        if self.replica_spill_at > self.replica_max_outstanding:
+            raise ValueError(f"replica_spill_at ({self.replica_spill_at}) above replica_max_outstanding "
+                             f"({self.replica_max_outstanding}) would never spill")
+        return self
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.engines.base import Engine, SamplingParams, TokenDelta
+from tracetrain.engines.base import Affinity, Engine, SamplingParams, TokenDelta
 
 
 @dataclass
@@ -29,10 +29,11 @@ class RecordingEngine:
     def version(self) -> int:
         return self.inner.version
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         record = Generation(list(prompt_ids))
         self.generations.append(record)
-        async for delta in self.inner.generate(prompt_ids, params):
+        async for delta in self.inner.generate(prompt_ids, params, affinity):
             record.token_ids += delta.token_ids
             record.logprobs += delta.logprobs
             yield delta

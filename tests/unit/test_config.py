@@ -117,3 +117,18 @@ def test_cuda_is_refused_where_torch_sees_none() -> None:
         pytest.skip("this machine has CUDA")  # the refusal cannot be seen here
     with pytest.raises(ValueError, match="train.device=cuda, but torch sees no CUDA device"):
         check_hardware(TrainConfig(device="cuda"))
+
+
+def test_engine_urls_from_every_source_and_replica_combinations(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACETRAIN_ENGINE_URL", "http://a:8000,http://b:8000")
+    assert load_config().engine_url == ["http://a:8000", "http://b:8000"]
+    monkeypatch.delenv("TRACETRAIN_ENGINE_URL")
+    (tmp_path / "c.yaml").write_text("engine_url: http://a:8000\n")
+    assert load_config(tmp_path / "c.yaml").engine_url == ["http://a:8000"]
+    assert load_config(engine_url=["http://x:1", "http://y:2"]).engine_url == ["http://x:1", "http://y:2"]
+    for bad, words in (({"engine_url": ["http://a:1"], "replicas": 2}, "list every server"),
+                       ({"engine": "transformers", "replicas": 2}, "engine: vllm"),
+                       ({"replica_spill_at": 100}, "never spill")):
+        with pytest.raises(ValidationError, match=words):
+            load_config(**bad)

@@ -31,6 +31,27 @@ class EngineTimeout(EngineError):
         super().__init__(message, status=504, code="engine_timeout")
 
 
+class EngineBusy(EngineError):
+    """Every replica is at its bound of outstanding requests and the wait for room ran out: 429."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, status=429, code="engine_busy")
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """What a router needs to keep a session's calls on the replica holding its prefix."""
+
+    session_id: str
+    group_id: str | None = None
+    """GRPO siblings share a prompt: a new session prefers the replica its group already uses."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -61,6 +82,8 @@ class TokenDelta:
     finish_reason: str | None = None
     version: int | None = None
     """The policy version whose weights produced these tokens, when the engine knows it exactly."""
+    route: dict[str, str] | None = None
+    """Which replica served the call and why (`{"replica": url, "route": reason}`), from a replica set."""
 
 
 class Engine(Protocol):
@@ -71,6 +94,7 @@ class Engine(Protocol):
     @property
     def version(self) -> int: ...
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def close(self) -> None: ...

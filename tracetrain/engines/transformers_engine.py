@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .base import EngineError, EngineUnavailable, SamplingParams, TokenDelta
+from .base import Affinity, EngineError, EngineUnavailable, SamplingParams, TokenDelta
 
 _Item = TokenDelta | BaseException
 
@@ -78,7 +78,9 @@ class TransformersEngine:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-engine", initializer=init)
         self._closed = False
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
+        del affinity  # one engine: nothing to route
         if self._closed:
             raise EngineUnavailable("engine is closed")
         if params.structured_output is not None:

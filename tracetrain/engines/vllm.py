@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import orjson
 
-from .base import EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
+from .base import Affinity, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
 
 
 class VLLMEngine:
@@ -69,7 +69,9 @@ class VLLMEngine:
         self.served_model = adapter or self.model_name
         self.version = version
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
+        del affinity  # one engine: nothing to route
         body = self._request_body(prompt_ids, params)
         version = self.version  # set together with the adapter named in `body`, so this is exact
         if not params.stream:
@@ -184,6 +186,9 @@ def _engine_errors(base_url: str) -> Iterator[None]:
         raise EngineUnavailable(f"vLLM at {base_url} is not reachable: {exc}") from exc
     except httpx.TimeoutException as exc:
         raise EngineTimeout(f"vLLM at {base_url} timed out ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:  # the connection broke: the server died or restarted
+        raise EngineError(f"vLLM at {base_url} dropped the connection: {type(exc).__name__}: {exc}",
+                          code="engine_connection_lost") from exc
     except httpx.HTTPError as exc:
         raise EngineError(f"vLLM at {base_url} failed: {type(exc).__name__}: {exc}") from exc
 

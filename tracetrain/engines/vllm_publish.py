@@ -79,17 +79,31 @@ class VLLMLoRAPublisher:
         return f"{self.prefix}-v{version}"
 
     async def publish(self, checkpoint: Checkpoint) -> None:
+        async with self._lock:
+            await self.load(checkpoint)
+            self.switch(checkpoint)
+            await self.tidy()
+
+    async def load(self, checkpoint: Checkpoint) -> None:
+        """Load the adapter into vLLM without serving it yet (a replica set loads every replica first)."""
         expect_kind(checkpoint, "lora", type(self).__name__)
         check_lora_checkpoint(checkpoint.path)
+        async with _control_client(self.engine, self.timeout) as client:
+            await self._load(client, self.adapter_name(checkpoint.version), checkpoint.path)
+
+    def switch(self, checkpoint: Checkpoint) -> None:
+        """Serve a loaded adapter from the next request on (no await: atomic for the event loop)."""
         name = self.adapter_name(checkpoint.version)
-        async with self._lock, _control_client(self.engine, self.timeout) as client:
-            await self._load(client, name, checkpoint.path)
-            self.engine.use_adapter(name, checkpoint.version)
-            if name in self.loaded:
-                self.loaded.remove(name)
-            self.loaded.append(name)
-            await self._unload_all_but(client, keep=2)
+        self.engine.use_adapter(name, checkpoint.version)
+        if name in self.loaded:
+            self.loaded.remove(name)
+        self.loaded.append(name)
         log.info("serving LoRA %s (version %d) from %s", name, checkpoint.version, checkpoint.path)
+
+    async def tidy(self) -> None:
+        """Unload adapters older than the previous one (best effort)."""
+        async with _control_client(self.engine, self.timeout) as client:
+            await self._unload_all_but(client, keep=2)
 
     async def _load(self, client: httpx.AsyncClient, name: str, path: Path) -> None:
         # load_inplace: a trainer that restarts and publishes the same version again replaces it

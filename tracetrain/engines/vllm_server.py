@@ -155,6 +155,28 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         """Launches the server and blocks until `/health` answers 200 (about 80 s on a 2-core CPU)."""
+        self.launch()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def exited(self) -> bool:
+        """True once a launched server's process has ended (it was killed or crashed)."""
+        return self.process is not None and self.process.poll() is not None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def launch(self) -> None:
+        """Starts the server process without waiting for it (a replica set polls `/health` itself).
+        A process that already exited is reaped first, so this also restarts a dead server."""
+        if self.process is not None and self.process.poll() is not None:
+            self.stop()  # takes down whatever of its process group survived
         cmd = self.command()
         if not _port_free(self.host, self.port):
             raise RuntimeError(f"port {self.port} on {self.host} is taken: another vLLM (or anything else) "
@@ -166,14 +188,8 @@ class VLLMServer:
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.environment(), start_new_session=True, preexec_fn=die_with_parent,
             )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         assert self.process is not None
         started = time.monotonic()
         next_report = started + 10
@@ -211,9 +227,13 @@ class VLLMServer:
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after `grace` seconds."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         pgid = process.pid  # start_new_session made the server its group leader
+        if process.poll() is not None:
+            with contextlib.suppress(ProcessLookupError):  # its engine core may outlive a killed server
+                os.killpg(pgid, signal.SIGKILL)
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
         try:

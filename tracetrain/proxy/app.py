@@ -17,6 +17,7 @@ from tracetrain.proxy.routes import (
     generation,
     messages,
     policies,
+    replicas,
     responses,
     rewards,
     sessions,
@@ -69,7 +70,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     install_openapi(app)
-    for module in (chat, messages, responses, completions, rewards, sessions, system, policies, generation):
+    for module in (chat, messages, responses, completions, rewards, sessions, system, policies, replicas,
+                   generation):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
     return app

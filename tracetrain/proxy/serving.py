@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.engines.base import EngineError, SamplingParams
+from tracetrain.engines.base import Affinity, EngineError, SamplingParams
 from tracetrain.proxy.binding import Binding, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
 from tracetrain.proxy.constraints import Constraint
@@ -73,6 +73,8 @@ class Choice:
     version: int | None = None
     forced_prefix: str = ""
     """The tool-call opener put in the prompt for a forced call: the sampled text continues it."""
+    route: dict[str, str] | None = None
+    """The replica that served this choice and why (several engines behind the gateway)."""
 
     def visible_text(self, tools_enabled: bool) -> str:
         """Text safe to stream now: with tools on, hold back anything that may open a tool call."""
@@ -159,14 +161,17 @@ async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[
     params = turn.spec.params
     if params.seed is not None and choice.index:
         params = SamplingParams(**{**params.__dict__, "seed": params.seed + choice.index})
+    affinity = Affinity(turn.session_id, turn.group_id)
     async with asyncio.timeout(gw.config.engine_timeout_s):
-        async for delta in gw.engine.generate(turn.plan.prompt_ids, params):
+        async for delta in gw.engine.generate(turn.plan.prompt_ids, params, affinity):
             choice.token_ids += delta.token_ids
             choice.logprobs += delta.logprobs
             choice.top_logprobs += delta.top_logprobs or []
             choice.text += delta.text
             if delta.version is not None and choice.version is None:
                 choice.version = turn.version = delta.version
+            if delta.route is not None:
+                choice.route = delta.route
             if delta.finish_reason:
                 choice.finish_reason = delta.finish_reason
             if on_delta is not None:
@@ -230,16 +235,15 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             prompt_ids=encode_ids(prompt_delta), completion_ids=encode_ids(choice.token_ids),
             completion_logprobs=encode_floats(choice.logprobs), messages=spec.request_messages[inherited:],
             messages_inherited=inherited, response_message=reply,
-            request_params={**spec.params.__dict__, **spec.record_params},
+            request_params={**spec.params.__dict__, **spec.record_params, **(choice.route or {})},
         ))
 
-    known = None if turn.new_session else await gw.session_info(turn.session_id)
-    seq = (known or gw.new_session(turn.session_id, turn.owner, turn.group_id)).take_seq()
-    rows = [{**call.model_dump(), "seq": seq} for call in calls]
+    rows = [call.model_dump() for call in calls]
     new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner) if turn.new_session else None
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
                                                            rows=rows))
     if turn.new_session:
+        gw.new_session(turn.session_id, turn.owner, turn.group_id)
         gw.metrics.sessions.inc()
     chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
     gw.remember_calls(calls, chains, len(spec.messages) + 1, spec.request_messages)

@@ -1,0 +1,94 @@
+"""Publishing one version to every replica of a `ReplicaSet`, so that no call records a version its
+replica did not serve.
+
+- LoRA: the adapter is loaded into every replica in service first; then all of them switch to it at
+  once (no await in between, so no request is routed in a mixed state); a replica whose load fails is
+  taken out, still holding the old version, and the failure is recorded in the set's events.
+- Full weights: one replica at a time is drained from routing (its sessions spill to the others),
+  reloaded in place and put back, so serving never stops; during the roll replicas serve different
+  versions, and each call records its own replica's.
+
+A replica that rejoins (after a failure or a restart) is first brought to the latest version by
+`catch_up`. Publishing fails (`PublishError`, the old version still served) only when no replica took
+the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+from .publishing import Checkpoint, PublishError
+from .replicas import ReplicaSet
+from .vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaPublisher:
+    pauses_engine = False
+    """Full-weight reloads drain one replica at a time instead of holding every generation."""
+
+    def __init__(self, replicas: ReplicaSet, publishers: list[VLLMLoRAPublisher] | list[VLLMReloadPublisher]) -> None:
+        if len(publishers) != len(replicas.replicas):
+            raise ValueError("one publisher per replica")
+        self.replicas = replicas
+        self.publishers = publishers
+        self.latest: Checkpoint | None = None
+        """The last version published, which a rejoining replica catches up to."""
+        self._lock = asyncio.Lock()
+        replicas.catch_up = self.catch_up
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        async with self._lock:
+            targets = [i for i, up in enumerate(self.replicas.router.up) if up]
+            if not targets:
+                raise PublishError("no replica is in service to publish to")
+            if checkpoint.kind == "lora":
+                failures = await self._publish_lora(checkpoint, targets)
+            else:
+                failures = await self._publish_rolling(checkpoint, targets)
+            if len(failures) == len(targets):
+                raise PublishError("; ".join(failures.values()))
+            self.latest = checkpoint
+
+    async def catch_up(self, index: int) -> None:
+        """Bring one replica (out of service) to the latest version."""
+        async with self._lock:
+            if self.latest is not None:
+                await self.publishers[index].publish(self.latest)
+
+    async def _publish_lora(self, checkpoint: Checkpoint, targets: list[int]) -> dict[int, str]:
+        lora = cast(list[VLLMLoRAPublisher], self.publishers)
+        results = await asyncio.gather(*(lora[i].load(checkpoint) for i in targets), return_exceptions=True)
+        failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
+                    if isinstance(r, BaseException)}
+        for i, reason in failures.items():
+            self._failed(i, checkpoint, reason)
+        for i in targets:  # one synchronous pass: every replica switches before the next request
+            if i not in failures:
+                lora[i].switch(checkpoint)
+        await asyncio.gather(*(lora[i].tidy() for i in targets if i not in failures))
+        return failures
+
+    async def _publish_rolling(self, checkpoint: Checkpoint, targets: list[int]) -> dict[int, str]:
+        failures: dict[int, str] = {}
+        for i in targets:
+            self.replicas.drain(i, f"loading version {checkpoint.version}")
+            try:
+                await self.publishers[i].publish(checkpoint)
+            except PublishError as exc:
+                failures[i] = f"{self.replicas.replicas[i].url}: {exc}"
+                self._failed(i, checkpoint, failures[i])
+            else:
+                self.replicas.bring_back(i)
+            finally:
+                self.replicas.replicas[i].publishing = False
+        return failures
+
+    def _failed(self, index: int, checkpoint: Checkpoint, reason: str) -> None:
+        self.replicas.take_out(index, f"publishing version {checkpoint.version} failed: {reason}")
+        self.replicas.record(index, "publish_failed", reason)
+        log.error("replica %s did not take version %d: %s", self.replicas.replicas[index].url,
+                  checkpoint.version, reason)

@@ -1,15 +1,20 @@
 """Whether new generations may start: closed while any holder holds it.
 
-Holders are a `sync`-mode training step (in the gateway process, or a separate trainer over HTTP)
-and a publisher that pauses the engine for an in-place weight reload. A count of holders, not one
-flag, so that a reload finishing inside a training step does not reopen generation early. A holder
-that may die while holding (a remote trainer) gives a time-to-live, after which the gate reopens by
-itself rather than stall every agent.
+Holders are a `sync`-mode training step (in the gateway process, or a separate trainer over HTTP,
+whose hold is kept in the store so that every gateway process on it obeys) and a publisher that
+pauses the engine for an in-place weight reload. A count of holders, not one flag, so that a reload
+finishing inside a training step does not reopen generation early. A holder that may die while
+holding (a remote trainer) gives a time-to-live, after which the gate reopens by itself rather than
+stall every agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class GenerationGate:
@@ -46,3 +51,26 @@ class GenerationGate:
             timer.cancel()
         if not self._holders:
             self._open.set()
+
+
+REMOTE = "remote:"
+"""Gate holders that mirror a hold in the store (a trainer's, placed through any gateway process)."""
+
+
+async def mirror_store_holds(gate: GenerationGate, read_holders: Callable[[], Awaitable[Sequence[str]]],
+                             interval_s: float = 0.25) -> None:
+    """Keep this process's gate closed exactly while the store has live holds, so that a hold placed
+    through one gateway process (or lapsing there) reaches every process on the same store within
+    `interval_s`. Runs until cancelled; a failed read keeps the gate as it is and tries again."""
+    while True:
+        try:
+            stored = {REMOTE + holder for holder in await read_holders()}
+        except Exception as exc:  # the store restarting: keep the last known state
+            log.warning("reading generation holds failed: %s", exc)
+        else:
+            local = {h for h in gate.holders if h.startswith(REMOTE)}
+            for holder in stored - local:
+                gate.close(holder)
+            for holder in local - stored:
+                gate.open(holder)
+        await asyncio.sleep(interval_s)

@@ -17,10 +17,10 @@ from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.render import ChatRenderer
-from tracetrain.store import queries
+from tracetrain.store import holds, queries
 from tracetrain.store.messages import full_messages
 from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
@@ -33,14 +33,10 @@ LATEST = "latest"
 
 @dataclass
 class SessionState:
+    """What never changes about a stored session: safe to cache in every gateway process."""
+
     owner: str | None
     group_id: str
-    next_seq: int
-    """Number for the session's next call (calls of one request share it)."""
-
-    def take_seq(self) -> int:
-        self.next_seq += 1
-        return self.next_seq - 1
 
 
 class Gateway:
@@ -65,15 +61,21 @@ class Gateway:
         self.gate = GenerationGate()
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self._publish_lock = asyncio.Lock()
+        self._holds: asyncio.Task[None] | None = None
         self.services: list[Any] = []
         """Background services started and stopped with the gateway (the trainer thread)."""
 
     async def start(self) -> None:
         await self.writer.start()
+        if hasattr(self.engine, "start"):  # a replica set's health checks
+            self.engine.start()
+        self._holds = asyncio.create_task(mirror_store_holds(self.gate, lambda: self.read(holds.active_holders)))
         for service in self.services:
             service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
+        if self._holds is not None:
+            self._holds.cancel()
         for service in reversed(self.services):
             await asyncio.to_thread(service.stop)
         await self.writer.stop()
@@ -113,7 +115,7 @@ class Gateway:
             )
 
     async def session_info(self, session_id: str) -> SessionState | None:
-        """Owner, group and next call number of a stored session, or None if it does not exist yet."""
+        """Owner and group of a stored session, or None if it does not exist yet."""
         state = self._sessions.get(session_id)
         if state is None:
             state = await asyncio.to_thread(self._load_session, session_id)
@@ -128,11 +130,11 @@ class Gateway:
             row = queries.get_session(db, session_id=session_id)
             if row is None:
                 return None
-            return SessionState(row.owner, row.group_id, queries.next_seq(db, session_id=session_id))
+            return SessionState(row.owner, row.group_id)
 
     def new_session(self, session_id: str, owner: str | None, group: str) -> SessionState:
         """The state of a session this process is about to create; a concurrent first call finds it."""
-        state = self._sessions.get(session_id) or SessionState(owner, group, 0)
+        state = self._sessions.get(session_id) or SessionState(owner, group)
         self._remember(session_id, state)
         return state
 
@@ -163,7 +165,7 @@ class Gateway:
                 call_id=call.id,
                 full_ids=full_ids(call, by_id),
                 message_count=message_count,
-                has_child=queries.has_chained_child(db, call_id=call.id),
+                has_child=queries.has_chained_child(db, call_id=call.id, session_id=session_id),
                 request_messages=full_messages(call, by_id),
             )
         self.chains.put(session_id, state_hash, node)
@@ -183,7 +185,8 @@ class Gateway:
                 return None
             by_id = {c.id: c for c in queries.session_calls(db, session_id=session_id)}
             node = ChainNode(call_id, full_ids(by_id[call_id], by_id), 0,
-                             has_child=queries.has_chained_child(db, call_id=call_id))
+                             has_child=queries.has_chained_child(db, call_id=call_id,
+                                                                   session_id=session_id))
         self.chains.put(session_id, LATEST, node)
         return node
 

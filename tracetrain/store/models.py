@@ -129,3 +129,12 @@ class Policy(SQLModel, table=True):
     publish_error: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     """Training-step figures: loss, reward mean, samples used and skipped, tokens/s, ..."""
+
+
+class GenerationHold(SQLModel, table=True):
+    """A hold on new generations (a `sync`-mode trainer's step) that every gateway process on this store
+    obeys; it lapses by itself at `expires_at`, so a holder that dies cannot stall the agents."""
+
+    __tablename__ = "generation_holds"
+    holder: str = Field(primary_key=True, max_length=128)
+    expires_at: datetime

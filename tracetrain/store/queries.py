@@ -47,8 +47,10 @@ def call_by_state(db: Session, *, session_id: str, state_hash: str) -> Call | No
     return db.exec(query.order_by(col(Call.seq).desc())).first()
 
 
-def has_chained_child(db: Session, *, call_id: str) -> bool:
-    query = select(Call.id).where(Call.parent_id == call_id, col(Call.link).in_(["extend", "branch"]))
+def has_chained_child(db: Session, *, call_id: str, session_id: str) -> bool:
+    """Whether a call already has a child that continues its chain (by session: that column is indexed)."""
+    query = select(Call.id).where(Call.session_id == session_id, Call.parent_id == call_id,
+                                  col(Call.link).in_(["extend", "branch"]))
     return db.exec(query.limit(1)).first() is not None
 
 
@@ -75,11 +77,20 @@ def list_policies(db: Session) -> Sequence[Policy]:
     return db.exec(select(Policy).order_by(col(Policy.version))).all()
 
 
-def record_calls(db: Session, *, session_id: str, new_session: AgentSession | None, rows: list[dict[str, Any]]) -> None:
+def record_calls(db: Session, *, session_id: str, new_session: AgentSession | None, rows: list[dict[str, Any]]) -> int:
     """The serving core's write for one request: its session (inserted if new, else touched) and one
-    call row per choice. Core statements, not ORM objects: this runs once per call in the single writer."""
+    call row per choice; returns the request's call number.
+
+    The number (`seq`, shared by a request's choices) and whether a call extends its parent or branches
+    from it are decided here, inside the write transaction, not from a gateway's memory: several
+    gateway processes may serve one session. Touching the session row first locks it (PostgreSQL; on
+    SQLite the writer's transaction is IMMEDIATE), so two processes cannot take the same number."""
     if new_session is not None:
         add_session_if_absent(db, session=new_session)
-    else:
-        db.execute(update(AgentSession).where(col(AgentSession.id) == session_id).values(updated_at=utcnow()))
-    db.execute(insert(Call), rows)
+    db.execute(update(AgentSession).where(col(AgentSession.id) == session_id).values(updated_at=utcnow()))
+    seq = next_seq(db, session_id=session_id)
+    parent, link = rows[0]["parent_id"], rows[0]["link"]
+    if link == "extend" and parent is not None and has_chained_child(db, call_id=parent, session_id=session_id):
+        link = "branch"  # another process extended the parent first
+    db.execute(insert(Call), [{**row, "seq": seq, "link": link} for row in rows])
+    return seq

@@ -80,6 +80,10 @@ class StoreWriter:
 
     def _commit(self, ops: list[WriteOp]) -> list[Any]:
         with Session(self.engine, expire_on_commit=False) as db:
+            if self.engine.dialect.name == "sqlite":
+                # Take the write lock before the ops read (next call number, idempotency keys): another
+                # gateway process on the same file cannot write in between.
+                db.connection().exec_driver_sql("BEGIN IMMEDIATE")
             results = [op(db) for op in ops]
             db.commit()
         self.committed_ops += len(ops)

@@ -1,6 +1,7 @@
 """Holding new generations (admin only): what a `sync`-mode trainer in another process uses.
 
-While a holder holds the gate, chat requests wait before they reach the engine (requests already
+A hold is stored, so every gateway process on the store obeys it (each mirrors the store's holds
+every 0.25 s). While a holder holds the gate, chat requests wait before they reach the engine (requests already
 generating finish), so the samples of the next step all come from the new policy. A hold expires
 after `ttl_s`, so a trainer that dies mid-step cannot stall the agents for longer than that.
 """
@@ -13,7 +14,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracetrain.proxy.auth import AdminDep
+from tracetrain.proxy.gate import REMOTE
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.store import holds
 
 router = APIRouter()
 
@@ -42,12 +45,14 @@ async def generation_state(request: Request, _: AdminDep) -> dict[str, Any]:
 @router.post("/v1/generation/hold")
 async def hold_generation(request: Request, body: HoldRequest, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
-    gw.gate.close(f"remote:{body.holder}", body.ttl_s)
+    await gw.writer.submit(lambda db: holds.hold(db, holder=body.holder, ttl_s=body.ttl_s))
+    gw.gate.close(REMOTE + body.holder, body.ttl_s)  # here at once; other processes within a poll
     return _state(gw)
 
 
 @router.post("/v1/generation/release")
 async def release_generation(request: Request, body: ReleaseRequest, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
-    gw.gate.open(f"remote:{body.holder}")
+    await gw.writer.submit(lambda db: holds.release(db, holder=body.holder))
+    gw.gate.open(REMOTE + body.holder)
     return _state(gw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import CallerDep
@@ -75,7 +76,14 @@ async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
         return RewardResponse(id=reward.id or 0, session_id=session_id, call_id=call_id, value=value,
                               final=body.final)
 
-    result: RewardResponse = await gw.writer.submit(write)
+    try:
+        result: RewardResponse = await gw.writer.submit(write)
+    except IntegrityError:
+        if body.idempotency_key is None:
+            raise
+        # Another gateway process stored the same key between this one's check and insert (PostgreSQL
+        # checks the unique key at insert): the second try finds it and answers as a duplicate.
+        result = await gw.writer.submit(write)
     if not result.duplicate:
         gw.metrics.rewards.inc()
         if result.final:

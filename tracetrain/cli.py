@@ -6,11 +6,14 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from tracetrain.config import Config, load_config, parse_set
 
@@ -48,19 +51,7 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     from tracetrain.engines.vllm import VLLMEngine
     from tracetrain.engines.vllm_server import VLLMServer
 
-    started: list[VLLMServer] = []
-    if not config.engine_url:
-        started = [VLLMServer(model_dir, port=config.vllm_port + i, served_model_name=config.served_model_name,
-                              python=config.vllm_python, extra_args=config.vllm_args,
-                              enable_lora=config.train.lora and not config.train.publishes_merged(),
-                              max_lora_rank=config.train.lora_rank)
-                   for i in range(config.replicas)]
-        for server in started:
-            stack.callback(server.stop)
-        for server in started:  # all launched first: they load in parallel
-            server.launch()
-        for server in started:
-            server.wait_healthy()
+    started = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
     urls = config.engine_url or [server.url for server in started]
     servers: list[VLLMServer | None] = list(started) or [None] * len(urls)
     replicas = [Replica(VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s),
@@ -68,6 +59,24 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     return ReplicaSet(replicas, spill_at=config.replica_spill_at, max_outstanding=config.replica_max_outstanding,
                       queue_wait_s=config.replica_queue_wait_s, queue_limit=config.replica_queue_limit,
                       routing=config.replica_routing)
+
+
+def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> list[Any]:
+    """`config.replicas` vLLM servers on ports `vllm_port`, `vllm_port + 1`, ..., stopped with `stack`."""
+    from tracetrain.engines.vllm_server import VLLMServer
+
+    servers = [VLLMServer(model_dir, port=config.vllm_port + i, served_model_name=config.served_model_name,
+                          python=config.vllm_python, extra_args=config.vllm_args,
+                          enable_lora=config.train.lora and not config.train.publishes_merged(),
+                          max_lora_rank=config.train.lora_rank)
+               for i in range(config.replicas)]
+    for server in servers:
+        stack.callback(server.stop)
+    for server in servers:  # all launched first: they load in parallel
+        server.launch()
+    for server in servers:
+        server.wait_healthy()
+    return servers
 
 
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
@@ -94,6 +103,12 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
 def serve(config: Config, *, train: bool = False) -> None:
     config.check_access()  # first: refuse in a second, before importing torch or loading any model
     config = config.with_admission_for(training_here=train)
+    if config.gateway_workers > 1:
+        if train:
+            raise SystemExit("configuration error: --train runs the trainer inside the gateway process; with "
+                             "--workers > 1 run it as its own process (`tracetrain train --gateway-url …`)")
+        serve_workers(config)
+        return
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -128,6 +143,66 @@ def serve(config: Config, *, train: bool = False) -> None:
         signal.signal(signal.SIGTERM, _exit_on_signal)
         uvicorn.run(build_app(gateway), host=config.host, port=config.port, log_level="warning",
                     timeout_graceful_shutdown=5)
+
+
+WORKER_CONFIG = "TRACETRAIN_WORKER_CONFIG"
+"""The resolved config, as JSON, handed from `serve --workers N` to each worker process."""
+
+
+def serve_workers(config: Config) -> None:
+    """`gateway_workers` uvicorn worker processes on one port. vLLM servers are started here, in the
+    supervising process, and restarted here when they die; each worker reaches them by URL and builds
+    its own gateway on the shared store (`worker_app`)."""
+    import threading
+
+    import uvicorn
+
+    from tracetrain.store.db import make_engine
+
+    log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
+    model_dir = _model_dir(config)
+    make_engine(config.db_url)  # an out-of-date store is refused once, here
+    with ExitStack() as stack:
+        servers = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
+        urls = config.engine_url or [server.url for server in servers]
+        stop = threading.Event()
+        stack.callback(stop.set)
+        threading.Thread(target=_restart_dead, args=(servers, stop), daemon=True).start()
+        worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm"})
+        os.environ[WORKER_CONFIG] = worker_config.model_dump_json()
+        log.info("gateway on http://%s:%d with %d worker processes", config.host, config.port,
+                 config.gateway_workers)
+        # uvicorn's supervisor handles SIGTERM itself: it stops the workers and returns here, and the
+        # ExitStack stops the vLLM servers.
+        uvicorn.run("tracetrain.cli:worker_app", factory=True, workers=config.gateway_workers, host=config.host,
+                    port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def _restart_dead(servers: list[Any], stop: Any) -> None:
+    """Start again a vLLM server of ours that died; the workers' replica sets take it back once healthy."""
+    while not stop.wait(2.0):
+        for server in servers:
+            if server.exited:
+                log.warning("vLLM on %s exited (%s); starting it again", server.url, server.returncode)
+                server.launch()
+
+
+def worker_app() -> Any:
+    """One worker process of `serve --workers N`: a gateway over the supervisor's vLLM servers."""
+    from transformers import AutoTokenizer
+
+    from tracetrain.proxy.app import build_app
+    from tracetrain.proxy.gateway import Gateway
+    from tracetrain.store.db import make_engine
+
+    config = Config.model_validate_json(os.environ[WORKER_CONFIG])
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_dir = _model_dir(config)
+    engine = build_engine(config, model_dir, ExitStack())  # by URL: nothing to stop
+    gateway = Gateway(config, engine, AutoTokenizer.from_pretrained(str(model_dir)),
+                      make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous))
+    gateway.publisher = build_publisher(config, engine, model_dir)
+    return build_app(gateway)
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
@@ -203,6 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kind in (("host", str), ("port", int), ("engine", str), ("model", str), ("served-model-name", str),
                        ("db-url", str), ("vllm-port", int), ("admin-key", str), ("replicas", int)):
         serve_p.add_argument(f"--{flag}", type=kind)
+    serve_p.add_argument("--workers", type=int, dest="gateway_workers", help="gateway processes on the port")
     serve_p.add_argument("--engine-url", action="append", dest="engine_url",
                          help="a running vLLM server (repeatable: several are replicas)")
     serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")
@@ -238,7 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     skip = ("config", "command", "format", "out", "train", "gateway_url", "set", "action")
     overrides = {k: v for k, v in vars(args).items() if k not in skip}
-    config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
+    try:
+        config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
+    except ValidationError as exc:  # a sentence per problem, not a traceback
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in exc.errors())
+        raise SystemExit(f"configuration error: {problems}") from None
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     if args.command == "train" or (args.command == "serve" and args.train):

@@ -181,6 +181,11 @@ class Config(BaseSettings):
     replicas: int = Field(default=1, ge=1)
     """vLLM servers to start on this machine (ports `vllm_port`, `vllm_port + 1`, ...) when no
     `engine_url` is given."""
+    gateway_workers: int = Field(default=1, ge=1)
+    """Gateway processes serving the port (`serve --workers N`); they share the store, the engines and
+    the generation holds, and follow the versions any of them publishes (LoRA only: with `train.publish:
+    auto` and LoRA, several workers resolve it to `lora`, since only an adapter switch is the same
+    moment in every process)."""
     replica_routing: Literal["sticky", "round_robin"] = "sticky"
     """`sticky`: a session's calls go to the replica holding its prefix, new sessions to the least
     loaded; `round_robin`: every call to the next replica (no affinity; for comparison)."""
@@ -258,10 +263,22 @@ class Config(BaseSettings):
             raise ValueError("replicas starts vLLM servers here; with engine_url, list every server instead")
         if self.engine == "transformers" and (self.replicas > 1 or self.engine_url):
             raise ValueError("engine: transformers runs in-process; replicas and engine_url need engine: vllm")
+        if self.gateway_workers > 1 and self.engine == "transformers":
+            raise ValueError("gateway_workers > 1 needs engine: vllm (each worker would load its own model)")
+        if self.gateway_workers > 1 and self.train.publish == "auto" and self.train.lora:
+            self.train.publish = "lora"
+        if self.gateway_workers > 1 and self._publishes_full_weights():
+            raise ValueError("gateway_workers > 1 needs LoRA publishing (train.lora and train.publish: lora) or "
+                             "train.publish: none: a full-weight reload cannot switch every process's version "
+                             "label at the same moment")
         if self.replica_spill_at > self.replica_max_outstanding:
             raise ValueError(f"replica_spill_at ({self.replica_spill_at}) above replica_max_outstanding "
                              f"({self.replica_max_outstanding}) would never spill")
         return self
+
+    def _publishes_full_weights(self) -> bool:
+        publish = self.train.publish
+        return publish == "reload" or (publish == "auto" and (not self.train.lora or self.train.publishes_merged()))
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:

@@ -132,3 +132,12 @@ def test_engine_urls_from_every_source_and_replica_combinations(tmp_path: Path,
                        ({"replica_spill_at": 100}, "never spill")):
         with pytest.raises(ValidationError, match=words):
             load_config(**bad)
+
+
+def test_several_gateway_workers_publish_lora_or_are_refused() -> None:
+    assert load_config(gateway_workers=2).train.publish == "lora"  # `auto` with LoRA resolves to it
+    assert load_config().train.publish == "auto"
+    for bad in ({"train": {"publish": "reload"}}, {"train": {"lora": False}},
+                {"engine": "transformers", "train": {"publish": "lora"}}):
+        with pytest.raises(ValidationError, match="gateway_workers > 1"):
+            load_config(gateway_workers=2, **bad)

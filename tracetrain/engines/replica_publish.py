@@ -53,6 +53,25 @@ class ReplicaPublisher:
                 raise PublishError("; ".join(failures.values()))
             self.latest = checkpoint
 
+    async def adopt(self, checkpoint: Checkpoint) -> None:
+        """Serve a version another gateway process on the same store published into these replicas: a
+        LoRA adapter it already loaded is only switched to (loaded where it is missing); full weights
+        are already in the servers, so only the version label moves (see `gateway_workers` for why
+        several processes publish LoRA only)."""
+        async with self._lock:
+            if checkpoint.kind == "lora":
+                lora = cast(list[VLLMLoRAPublisher], self.publishers)
+                for i, up in enumerate(self.replicas.router.up):
+                    if not up:
+                        continue
+                    if not await lora[i].is_loaded(checkpoint):
+                        await lora[i].load(checkpoint)
+                    lora[i].switch(checkpoint)
+            else:
+                for replica in self.replicas.replicas:
+                    replica.engine.use_adapter(None, checkpoint.version)
+            self.latest = checkpoint
+
     async def catch_up(self, index: int) -> None:
         """Bring one replica (out of service) to the latest version."""
         async with self._lock:

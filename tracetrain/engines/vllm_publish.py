@@ -91,6 +91,16 @@ class VLLMLoRAPublisher:
         async with _control_client(self.engine, self.timeout) as client:
             await self._load(client, self.adapter_name(checkpoint.version), checkpoint.path)
 
+    async def is_loaded(self, checkpoint: Checkpoint) -> bool:
+        """Whether vLLM already holds this version's adapter (another gateway process loaded it)."""
+        async with _control_client(self.engine, self.timeout) as client:
+            try:
+                response = await client.get("/v1/models")
+                names = {m.get("id") for m in response.json().get("data", [])}
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return False
+        return self.adapter_name(checkpoint.version) in names
+
     def switch(self, checkpoint: Checkpoint) -> None:
         """Serve a loaded adapter from the next request on (no await: atomic for the event loop)."""
         name = self.adapter_name(checkpoint.version)

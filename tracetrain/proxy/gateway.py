@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import Engine as DBEngine
@@ -25,6 +27,8 @@ from tracetrain.store.messages import full_messages
 from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
+
+log = logging.getLogger(__name__)
 
 SESSION_CACHE = 100_000
 LATEST = "latest"
@@ -62,6 +66,7 @@ class Gateway:
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self._publish_lock = asyncio.Lock()
         self._holds: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
         self.services: list[Any] = []
         """Background services started and stopped with the gateway (the trainer thread)."""
 
@@ -70,12 +75,14 @@ class Gateway:
         if hasattr(self.engine, "start"):  # a replica set's health checks
             self.engine.start()
         self._holds = asyncio.create_task(mirror_store_holds(self.gate, lambda: self.read(holds.active_holders)))
+        self._follower = asyncio.create_task(self._follow_versions())
         for service in self.services:
             service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
-        if self._holds is not None:
-            self._holds.cancel()
+        for task in (self._holds, self._follower):
+            if task is not None:
+                task.cancel()
         for service in reversed(self.services):
             await asyncio.to_thread(service.stop)
         await self.writer.stop()
@@ -100,6 +107,25 @@ class Gateway:
             finally:
                 if pauses:
                     self.gate.open("publish")
+
+    async def _follow_versions(self, interval_s: float = 1.0) -> None:
+        """Serve the newest version a trainer published through another gateway process on this store
+        (`serve --workers N`, several gateway hosts): the trainer marks it published in the store."""
+        adopt = getattr(self.publisher, "adopt", None)
+        if adopt is None:
+            return
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                latest = await self.read(queries.latest_published)
+                if latest is None or latest.checkpoint is None or latest.version <= self.engine.version:
+                    continue
+                async with self._publish_lock:
+                    if latest.version > self.engine.version:
+                        await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind))
+                        log.info("following version %d, published through another gateway", latest.version)
+            except Exception as exc:  # the store or an engine briefly away: try again next round
+                log.warning("following the published version failed: %s", exc)
 
     def hold_for_training(self, training: bool) -> None:
         """A `sync`-mode step in this process: close generation while it trains (event loop thread)."""

@@ -73,6 +73,12 @@ def latest_call_id(db: Session, *, session_id: str) -> str | None:
     return db.exec(query.limit(1)).first()
 
 
+def latest_published(db: Session) -> Policy | None:
+    """The newest version a trainer published (to any gateway on this store)."""
+    query = select(Policy).where(col(Policy.published_at).is_not(None)).order_by(col(Policy.version).desc())
+    return db.exec(query.limit(1)).first()
+
+
 def list_policies(db: Session) -> Sequence[Policy]:
     return db.exec(select(Policy).order_by(col(Policy.version))).all()
 

@@ -63,12 +63,12 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
 
 def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> list[Any]:
     """`config.replicas` vLLM servers on ports `vllm_port`, `vllm_port + 1`, ..., stopped with `stack`."""
-    from tracetrain.engines.vllm_server import VLLMServer
+    from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
     servers = [VLLMServer(model_dir, port=config.vllm_port + i, served_model_name=config.served_model_name,
                           python=config.vllm_python, extra_args=config.vllm_args,
                           enable_lora=config.train.lora and not config.train.publishes_merged(),
-                          max_lora_rank=config.train.lora_rank)
+                          max_lora_rank=config.train.lora_rank, env=replica_placement(i, config.replicas))
                for i in range(config.replicas)]
     for server in servers:
         stack.callback(server.stop)

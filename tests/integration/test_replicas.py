@@ -28,7 +28,7 @@ from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.engines.replicas import Replica, ReplicaSet
 from tracetrain.engines.vllm import VLLMEngine
 from tracetrain.engines.vllm_publish import VLLMLoRAPublisher
-from tracetrain.engines.vllm_server import VLLMServer
+from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 from tracetrain.store.models import Call
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -38,7 +38,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 def second_server(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     server = VLLMServer(vllm_server.model_dir, served_model_name=vllm_server.model_name,
                         max_model_len=vllm_server.max_model_len, kv_cache_gib=1, enable_lora=True,
-                        max_lora_rank=8, log_path=tmp_path_factory.mktemp("vllm-2") / "vllm.log")
+                        max_lora_rank=8, log_path=tmp_path_factory.mktemp("vllm-2") / "vllm.log",
+                        env=replica_placement(1, 2))  # its own cores, not the first server's
     with server:
         yield server
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tracetrain.engines.base import Affinity
 from tracetrain.engines.routing import NoReplica, Router
+from tracetrain.engines.vllm_server import replica_placement
 
 
 def test_a_session_stays_on_its_replica() -> None:
@@ -68,3 +71,16 @@ def test_round_robin_ignores_sessions() -> None:
     picks = [router.pick(Affinity("s")) for _ in range(4)]
     assert [p.replica for p in picks] in ([1, 0, 1, 0], [0, 1, 0, 1])
     assert {p.reason for p in picks} == {"round_robin"}
+
+
+def test_replicas_started_here_get_devices_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert replica_placement(0, 1) == {}  # one server keeps vLLM's own binding
+    places = [replica_placement(i, 2) for i in range(2)]
+    assert [p["VLLM_CPU_OMP_THREADS_BIND"] for p in places] == ["0,1", "2,3"]
+    assert [p["CUDA_VISIBLE_DEVICES"] for p in places] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert [replica_placement(i, 2)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["4", "6"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert replica_placement(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # more replicas than cores: shared

@@ -30,6 +30,24 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def replica_placement(index: int, count: int) -> dict[str, str]:
+    """Environment that gives replica `index` of `count` servers on this machine its own devices: one
+    GPU each (the i-th of `CUDA_VISIBLE_DEVICES` when set, else GPU i), and on CPU builds its own
+    share of this process's cores. Without it every CPU replica's OpenMP threads bind to the same
+    cores (vLLM's automatic binding picks the same ones in each process), and on a 2-core machine one
+    replica stalled for a whole minute while the other ran. One server keeps vLLM's own defaults."""
+    if count <= 1:
+        return {}
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu_ids = [g for g in gpus.split(",") if g] if gpus else [str(i) for i in range(count)]
+    env = {"CUDA_VISIBLE_DEVICES": gpu_ids[index % len(gpu_ids)]}
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // count)
+    mine = cores[index * share:(index + 1) * share] or cores[index % len(cores):][:1]
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
+    return env
+
+
 def find_vllm_python() -> str | None:
     """The interpreter that can `import vllm`: `TRACETRAIN_VLLM_PYTHON` if set, else the repo's
     `.venv-vllm`, else this interpreter when vLLM happens to be installed in it (GPU machines)."""

@@ -429,7 +429,7 @@ def fixed_answer(model_dir: Path, tokens: int) -> dict[str, Any]:
 
 
 def start_gateway(
-    upstream_url: str, model_dir: Path, db_url: str, env: dict[str, str], src: Path | None
+    upstream_url: str, model_dir: Path, db_url: str, env: dict[str, str], src: Path | None, workers: int = 1
 ) -> ServerProcess:
     """`tracetrain serve` in front of the upstream; from the source tree `src` when given."""
     port = free_port()
@@ -440,6 +440,7 @@ def start_gateway(
         "--served-model-name": MODEL_NAME,
         "--db-url": db_url,
         "--port": str(port),
+        "--workers": str(workers),
     }
     cmd = python_cmd("-m", "tracetrain.cli", "serve", *[x for pair in options.items() for x in pair])
     if src is not None:

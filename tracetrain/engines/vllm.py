@@ -26,14 +26,19 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
+from yarl import URL
 
 from .base import Affinity, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
 
 
 class VLLMEngine:
-    """Generates through one vLLM server; one pooled `httpx.AsyncClient` for all requests."""
+    """Generates through one vLLM server; one pooled aiohttp session for all requests.
+
+    aiohttp rather than httpx for this one client: on the gateway's hot path httpx's per-request URL
+    handling and pool bookkeeping were 15% of the gateway's CPU per call (profiled, see
+    `bench/results/gateway_overhead_profile.md`); the other, occasional HTTP calls keep httpx."""
 
     def __init__(
         self,
@@ -54,11 +59,23 @@ class VLLMEngine:
         self.served_model = model_name
         """What requests name as `model`: the base model, or the LoRA adapter of the current version."""
         self.skip_special_tokens = skip_special_tokens
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout)
+        self._max_connections = max_connections
+        self._completions = URL(f"{self.base_url}/v1/completions")  # parsed once, not per request
+        self._health = URL(f"{self.base_url}/health")
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The pooled session, made on first use: aiohttp binds it to the running event loop."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                # The first stream line echoes the prompt's ids: up to several MB for long prompts.
+                read_bufsize=4 * 1024 * 1024,
+                headers={"Content-Type": "application/json"},
+            )
+        return self._session
 
     def use_adapter(self, adapter: str | None, version: int) -> None:
         """Serve `adapter` (a LoRA name loaded into vLLM; None for the base model) as `version`.
@@ -79,9 +96,9 @@ class VLLMEngine:
             return
         final: TokenDelta | None = None
         with _engine_errors(self.base_url):
-            async with self._client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    raise _http_error(response.status_code, (await response.aread()).decode(errors="replace"))
+            async with self._http().post(self._completions, data=orjson.dumps(body)) as response:
+                if response.status != 200:
+                    raise _http_error(response.status, (await response.read()).decode(errors="replace"))
                 async for chunk in _sse_chunks(response):
                     delta = self._parse_chunk(chunk, prompt_ids, params)
                     if delta is None:
@@ -99,13 +116,15 @@ class VLLMEngine:
                         version: int) -> TokenDelta:
         """One non-streamed completion: a third of the gateway's CPU per call was parsing SSE events."""
         with _engine_errors(self.base_url):
-            response = await self._client.post("/v1/completions", json={**body, "stream": False})
-        if response.status_code != 200:
-            raise _http_error(response.status_code, response.text)
+            async with self._http().post(self._completions, data=orjson.dumps({**body, "stream": False})) as response:
+                content = await response.read()
+                status = response.status
+        if status != 200:
+            raise _http_error(status, content.decode(errors="replace"))
         try:
-            payload = orjson.loads(response.content)
+            payload = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
-            raise EngineError(f"vLLM sent an unreadable body: {response.content[:200]!r}") from exc
+            raise EngineError(f"vLLM sent an unreadable body: {content[:200]!r}") from exc
         delta = self._parse_chunk(payload, prompt_ids, params)
         if delta is None or delta.finish_reason is None:
             raise EngineError("vLLM answered without a finished choice")
@@ -115,13 +134,14 @@ class VLLMEngine:
     async def health(self) -> bool:
         """True when the server answers `/health` with 200; never raises."""
         try:
-            response = await self._client.get("/health", timeout=5.0)
-        except httpx.HTTPError:
+            async with self._http().get(self._health, timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             return False
-        return response.status_code == 200
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     def _request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -182,29 +202,30 @@ def _engine_errors(base_url: str) -> Iterator[None]:
     """Network failures as engine errors with the status the gateway answers: 503, 504 or 502."""
     try:
         yield
-    except httpx.ConnectError as exc:
+    except aiohttp.ClientConnectorError as exc:
         raise EngineUnavailable(f"vLLM at {base_url} is not reachable: {exc}") from exc
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:  # connect or read timeout (aiohttp's are TimeoutErrors)
         raise EngineTimeout(f"vLLM at {base_url} timed out ({type(exc).__name__})") from exc
-    except httpx.TransportError as exc:  # the connection broke: the server died or restarted
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
+        # The connection broke: the server died or restarted.
         raise EngineError(f"vLLM at {base_url} dropped the connection: {type(exc).__name__}: {exc}",
                           code="engine_connection_lost") from exc
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         raise EngineError(f"vLLM at {base_url} failed: {type(exc).__name__}: {exc}") from exc
 
 
-async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an OpenAI-style server-sent event stream, up to `data: [DONE]`.
 
     Lines after [DONE] (there are none, but the body must end) are still read: a response left
     unread closes its connection instead of returning it to the pool, a TCP handshake per call.
     """
     done = False
-    async for line in response.aiter_lines():
-        if done or not line.startswith("data:"):
+    async for raw in response.content:
+        if done or not raw.startswith(b"data:"):
             continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
+        payload = raw[5:].strip()
+        if payload == b"[DONE]":
             done = True
             continue
         try:

@@ -24,7 +24,6 @@ from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.store import holds, queries
 from tracetrain.store.messages import full_messages
-from tracetrain.store.models import Call
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
 
@@ -153,10 +152,8 @@ class Gateway:
 
     def _load_session(self, session_id: str) -> SessionState | None:
         with Session(self.db) as db:
-            row = queries.get_session(db, session_id=session_id)
-            if row is None:
-                return None
-            return SessionState(row.owner, row.group_id)
+            row = queries.session_owner_group(db, session_id=session_id)
+        return None if row is None else SessionState(*row)
 
     def new_session(self, session_id: str, owner: str | None, group: str) -> SessionState:
         """The state of a session this process is about to create; a concurrent first call finds it."""
@@ -224,8 +221,9 @@ class Gateway:
         """Run a read-only query in a worker thread."""
         return await asyncio.to_thread(self._read, fn)
 
-    def remember_calls(self, calls: list[Call], chains: list[list[int]], message_count: int,
-                       request_messages: list[dict[str, Any]]) -> None:
-        for call, chain in zip(calls, chains, strict=True):
-            self.chains.put(call.session_id, call.state_hash,
-                            ChainNode(call.id, chain, message_count, request_messages=request_messages))
+    def remember_calls(self, session_id: str, calls: list[tuple[str, str]], chains: list[list[int]],
+                       message_count: int, request_messages: list[dict[str, Any]]) -> None:
+        """Cache the chains of calls just recorded, by (call id, state hash)."""
+        for (call_id, state_hash), chain in zip(calls, chains, strict=True):
+            self.chains.put(session_id, state_hash,
+                            ChainNode(call_id, chain, message_count, request_messages=request_messages))

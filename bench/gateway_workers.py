@@ -1,0 +1,130 @@
+"""Throughput with 1, 2 and 4 gateway processes (`tracetrain serve --workers N`) on the fixed upstream.
+
+The upstream (`bench.fixed_upstream`) answers in well under a millisecond, so what limits the rate is
+the gateway itself: this is where more processes should help, up to the cores there are. Arms are
+fresh gateways (`--workers 1`, `2`, `4`), each with its own SQLite store, in front of one upstream, run
+in rotated order `--repeats` times; each arm sends the same workload (`bench.gateway_overhead`'s: a new
+session per request, 150-word user messages, 16-token answers) at `--concurrency` connections after a
+warm-up. Reported per arm: req/s, p50/p99, gateway CPU ms per request (all its processes), and that
+every answered completion id is in the store.
+
+    python -m bench.gateway_workers                    # about 6 minutes on a 2-core CPU
+    python -m bench.gateway_workers --workers 1,2 --requests 500 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ResultTable, console, group_cpu_seconds, machine_line, write_results
+from bench.gateway_overhead import (
+    LoadRunner,
+    Plan,
+    Stats,
+    Target,
+    Workload,
+    check_store,
+    start_gateway,
+    start_upstream,
+)
+
+
+def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, workers: int, tag: str) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="tt-workers-"))
+    db_url = f"sqlite:///{tmp / 'gateway.db'}"
+    gateway = start_gateway(upstream_url, model_dir, db_url, {}, None, workers=workers)
+    try:
+        plan = Plan(concurrencies=[args.concurrency], requests=args.requests, requests_serial=args.requests,
+                    rounds=1, warmup=args.warmup, streams=[args.stream], phase_timeout_s=300,
+                    request_timeout_s=120)
+        workload = Workload(tag=tag, max_tokens=16, prompt_words=150, turns=1)
+        runner = LoadRunner(plan, workload, {"gateway": functools.partial(group_cpu_seconds, gateway.pid)})
+        target = Target("gateway", "127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), via_gateway=True)
+
+        async def run() -> Stats:
+            # Warm-up with every connection, so that each worker process has served (and compiled its
+            # templates) before the measured phase.
+            await runner.phase(target, stream=args.stream, concurrency=args.concurrency, requests=args.warmup,
+                               stats=Stats())
+            stats = Stats()
+            await runner.phase(target, stream=args.stream, concurrency=args.concurrency, requests=args.requests,
+                               stats=stats)
+            return stats
+
+        stats = asyncio.run(run())
+        check = check_store(db_url, runner.received, 16)
+    finally:
+        gateway.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"rps": stats.rps, "p50": stats.latency_ms(50), "p99": stats.latency_ms(99),
+            "cpu": stats.cpu_ms_per_request("gateway"), "errors": sum(stats.errors.values()),
+            "missing": check.missing}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="1,2,4", help="comma-separated gateway process counts")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=1500, help="measured requests per arm")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stream", action="store_true", help="streamed requests instead of one-piece answers")
+    args = parser.parse_args()
+    arms = [int(w) for w in args.workers.split(",")]
+
+    from tracetrain.engines.models import smollm2_dir
+
+    model_dir = smollm2_dir()
+    upstream_args = argparse.Namespace(upstream="fixed", upstream_url=None, max_tokens=16, upstream_workers=1,
+                                       token_delay_ms=0.0)
+    console.print(machine_line())
+    upstream = start_upstream(upstream_args, model_dir)
+    results: dict[int, list[dict[str, float]]] = {w: [] for w in arms}
+    try:
+        for repeat in range(args.repeats):
+            order = arms[repeat % len(arms):] + arms[:repeat % len(arms)]
+            for workers in order:
+                started = time.perf_counter()
+                row = one_arm(args, upstream.url, model_dir, workers, f"w{workers}r{repeat}t{int(time.time())}")
+                results[workers].append(row)
+                console.log(f"repeat {repeat}, {workers} worker(s): {row['rps']:.0f} req/s, p50 {row['p50']:.1f} ms, "
+                            f"gateway CPU {row['cpu']:.2f} ms/req, missing {row['missing']} "
+                            f"({time.perf_counter() - started:.0f} s)")
+    finally:
+        upstream.stop()
+
+    table = ResultTable("Gateway processes: mean (min-max) over repeats",
+                        ["workers", "runs", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "gateway CPU ms/req",
+                         "errors", "missing from store"])
+    base = statistics.mean(r["rps"] for r in results[arms[0]])
+    for workers, rows in results.items():
+        def cell(key: str, fmt: str, rows: list[dict[str, float]] = rows) -> str:
+            values = [r[key] for r in rows]
+            return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+        mean_rps = statistics.mean(r["rps"] for r in rows)
+        table.add(workers, len(rows), cell("rps", ".0f"), f"{mean_rps / base:.2f}x", cell("p50", ".1f"),
+                  cell("p99", ".1f"), cell("cpu", ".2f"), int(sum(r["errors"] for r in rows)),
+                  int(sum(r["missing"] for r in rows)))
+    console.print(table.rich())
+    mode = "streamed" if args.stream else "one-piece (non-streamed)"
+    notes = [f"{mode} requests at concurrency {args.concurrency}, {args.requests} measured per arm after "
+             f"{args.warmup} warm-up; a new session per request; fixed upstream with one worker",
+             "every arm a fresh gateway and SQLite store; arms in rotated order",
+             "2 cores shared by the gateway processes, the upstream and this load generator: more processes "
+             "than cores cannot add throughput here"]
+    command = "python -m bench.gateway_workers " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if k != "stream") + (" --stream" if args.stream else "")
+    path = write_results("gateway_workers" + ("_stream" if args.stream else ""),
+                         "Gateway processes on the fixed upstream", command, [table], notes)
+    console.print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -471,16 +471,17 @@ class Profiler:
 
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("store: group commit (writer thread)", ("StoreWriter._commit",)),
-    ("store: reads (session lookup, chain load)", ("Gateway._read", "Gateway._load_node")),
-    ("engine: httpx stream to upstream + SSE parse", ("VLLMEngine.generate",)),
-    ("prompt: chat template + tokenizer", ("ChatRenderer.render",)),
+    ("store: reads (session lookup, chain load)",
+     ("Gateway._read", "Gateway._load_node", "Gateway._load_session", "Gateway._load_latest")),
+    ("engine: request to the upstream + parse (inside the call's task)", ("VLLMEngine.", "ReplicaSet.generate")),
+    ("prompt: chat template + tokenizer", ("ChatRenderer.",)),
     ("history hashes, canonical messages, group", ("history_hashes", "canonical_message", "prompt_group")),
-    ("record: build Call rows, submit", ("_record ",)),
-    ("stream: SSE chunks to the client", ("_stream ",)),
-    ("other route code (prepare, reply, logprobs)", ("chat_completions ",)),
-    ("FastAPI: body parse, validation, response", ("get_request_handler",)),
+    ("record: rows, submit, caches", ("record (tracetrain/proxy/serving",)),
+    ("stream: SSE chunks to the client", ("text_pieces (", "_stream (")),
+    ("other route code (bind, plan, reply, response)", ("tracetrain/proxy/",)),
+    ("FastAPI: body parse, validation, response", ("get_request_handler", "solve_dependencies", "serialize_response")),
     ("logging", ("Logger.",)),
-    ("uvicorn, starlette, asyncio loop, other", ()),
+    ("uvicorn, starlette, asyncio loop, aiohttp callbacks, other", ()),
 ]
 """Where a sample goes: the first category one of whose markers appears in its stack."""
 

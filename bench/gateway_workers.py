@@ -8,7 +8,7 @@ session per request, 150-word user messages, 16-token answers) at `--concurrency
 warm-up. Reported per arm: req/s, p50/p99, gateway CPU ms per request (all its processes), and that
 every answered completion id is in the store.
 
-    python -m bench.gateway_workers                    # about 6 minutes on a 2-core CPU
+    python -m bench.gateway_workers                    # about 4 minutes on a 2-core CPU
     python -m bench.gateway_workers --workers 1,2 --requests 500 --repeats 2
 """
 
@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="1,2,4", help="comma-separated gateway process counts")
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=1500, help="measured requests per arm")
+    parser.add_argument("--requests", type=int, default=5000, help="measured requests per arm")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream", action="store_true", help="streamed requests instead of one-piece answers")

@@ -151,8 +151,8 @@ class Gateway:
         return state
 
     def _load_session(self, session_id: str) -> SessionState | None:
-        with Session(self.db) as db:
-            row = queries.session_owner_group(db, session_id=session_id)
+        with self.db.connect() as conn:
+            row = queries.session_owner_group(conn, session_id=session_id)
         return None if row is None else SessionState(*row)
 
     def new_session(self, session_id: str, owner: str | None, group: str) -> SessionState:

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy import select as core_select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, func, select
 
 from tracetrain.store.models import AgentSession, Call, Policy, Reward, utcnow
@@ -40,10 +41,11 @@ def add_session_if_absent(db: Session, *, session: AgentSession) -> bool:
     return db.connection().execute(statement, session.model_dump()).rowcount == 1
 
 
-def session_owner_group(db: Session, *, session_id: str) -> tuple[str | None, str] | None:
+def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str] | None:
     """(owner, group) of a stored session, or None: the gateway's check on every call of a session it
-    has not cached (a Core read, no ORM object)."""
-    row = db.connection().execute(_SESSION_OWNER, {"sid": session_id}).first()
+    has not cached. On a bare connection: an ORM session's transaction bookkeeping cost more than
+    the query (profiled)."""
+    row = conn.execute(_SESSION_OWNER, {"sid": session_id}).first()
     return None if row is None else (row[0], row[1])
 
 

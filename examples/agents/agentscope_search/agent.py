@@ -1,19 +1,21 @@
-"""Search agent: AgentScope's `ReActAgent` with a local search tool, a rule-based reward posted afterwards.
+"""Search agent: AgentScope 2's `Agent` with a local search tool, a rule-based reward posted afterwards.
 
-    python examples/agents/react_search/agent.py --gateway http://127.0.0.1:8000 --episodes 32
+    python examples/agents/agentscope_search/agent.py --gateway http://127.0.0.1:8000 --episodes 32
 
-A plain AgentScope agent (`Toolkit`, `OpenAIChatFormatter`, `ReActAgent`): asked a question, the model
-searches a small in-file corpus of facts, reads the passages the tool returns and answers; the reward
-is 1 when the answer contains the expected fact, else 0. Every call of an episode is one gateway session,
-one token-exact trajectory. tracetrain appears only as `AgentScopeSession` (the model's base URL, the
-reward) and `force_tool_choice`: the first reasoning step names the tool (`--first-tool-choice search`),
-which a vLLM-backed gateway enforces by constrained decoding, so even a 135M model makes a well-formed
-call; `auto` leaves it to the model (the in-process engine refuses forced tool choices). Each question is
-attempted `--group-size` times in one group, so group baselines (GRPO, RLOO) have something to compare.
+A plain AgentScope agent (`Agent`, `Toolkit`, a `FunctionTool`): asked a question, the model searches a
+small in-file corpus of facts, reads the passages the tool returns and answers; the reward is 1 when the
+answer contains the expected fact, else 0. Every call of an episode is one gateway session, one
+token-exact trajectory. tracetrain appears only as `AgentScopeSession` (the model's base URL, the reward,
+the completion ids) and the `ForceToolChoice` middleware: the first reasoning step names the tool
+(`--first-tool-choice search`), which a vLLM-backed gateway enforces by constrained decoding, so even a
+135M model makes a well-formed call; `auto` leaves it to the model (the in-process engine refuses forced
+tool choices). Each question is attempted `--group-size` times in one group, so group baselines (GRPO,
+RLOO) have something to compare. The model streams, as AgentScope's models do by default (`--no-stream`
+turns it off); the recorded tokens are the same either way.
 """
 
-# No `from __future__ import annotations`: AgentScope builds the tool's JSON schema from the evaluated
-# signature, and the `Annotated` length limit must reach it (the gateway's grammar then enforces it).
+from __future__ import annotations
+
 import argparse
 import asyncio
 import json
@@ -23,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from agentscope.agent import ReActAgent
-from agentscope.formatter import OpenAIChatFormatter
-from agentscope.message import Msg, TextBlock
-from agentscope.tool import Toolkit, ToolResponse
+from agentscope.agent import Agent, InjectionConfig, ReActConfig
+from agentscope.message import TextBlock, UserMsg
+from agentscope.middleware import MiddlewareBase
+from agentscope.model import OpenAIChatModel
+from agentscope.tool import FunctionTool, ToolChunk, Toolkit
 from pydantic import Field
 
-from tracetrain.adapters.agentscope import AgentScopeSession, force_tool_choice
+from tracetrain.adapters.agentscope import AgentScopeSession, ForceToolChoice
 
 SYSTEM = "You answer questions. Use the search tool to look facts up, then answer in one short sentence."
 CORPUS = [
@@ -62,7 +65,7 @@ def _terms(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOPWORDS}
 
 
-def search(query: Annotated[str, Field(max_length=60)]) -> ToolResponse:
+def search(query: Annotated[str, Field(max_length=60)]) -> ToolChunk:
     """Search the encyclopedia for passages about a topic.
 
     Args:
@@ -71,7 +74,7 @@ def search(query: Annotated[str, Field(max_length=60)]) -> ToolResponse:
     wanted = _terms(query)
     scored = sorted(((len(wanted & _terms(p)), p) for p in CORPUS), key=lambda s: -s[0])
     hits = [passage for score, passage in scored[:2] if score > 0]
-    return ToolResponse(content=[TextBlock(type="text", text="\n".join(hits) or "No passage found.")])
+    return ToolChunk(content=[TextBlock(text="\n".join(hits) or "No passage found.")])
 
 
 def score(answer: str, fact: str) -> float:
@@ -79,18 +82,22 @@ def score(answer: str, fact: str) -> float:
     return 1.0 if re.search(rf"\b{re.escape(fact.lower())}\b", answer.lower()) else 0.0
 
 
-def make_agent(session: AgentScopeSession, args: argparse.Namespace) -> ReActAgent:
-    """A fresh agent per episode (its memory is the episode's conversation), its model bound to `session`."""
-    toolkit = Toolkit()
-    toolkit.register_tool_function(search)
-    model = session.chat_model(args.model, generate_kwargs={"temperature": args.temperature,
-                                                            "max_tokens": args.max_tokens})
-    agent = ReActAgent(name="assistant", sys_prompt=SYSTEM, model=model, formatter=OpenAIChatFormatter(),
-                       toolkit=toolkit, max_iters=args.max_iters)
-    agent.set_console_output_enabled(args.verbose)
+def make_agent(session: AgentScopeSession, args: argparse.Namespace) -> Agent:
+    """A fresh agent per episode (its state is the episode's conversation), its model bound to `session`.
+
+    The tool is read-only, so AgentScope's permission engine runs it without asking a user. AgentScope's
+    runtime-state hint (the wall-clock time, appended before the first reasoning step) is off: it is
+    noise to a 135M model, and it would make the prompts of one group differ.
+    """
+    toolkit = Toolkit(tools=[FunctionTool(search, is_read_only=True)])
+    model = session.chat_model(args.model, stream=args.stream, parameters=OpenAIChatModel.Parameters(
+        temperature=args.temperature, max_tokens=args.max_tokens))
+    middlewares: list[MiddlewareBase] = [session.middleware]
     if args.first_tool_choice != "auto":
-        force_tool_choice(agent, args.first_tool_choice)
-    return agent
+        middlewares.append(ForceToolChoice(args.first_tool_choice))
+    return Agent(name="assistant", system_prompt=SYSTEM, model=model, toolkit=toolkit, middlewares=middlewares,
+                 react_config=ReActConfig(max_iters=args.max_iters),
+                 injection_config=InjectionConfig(inject_runtime_state=False))
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -102,13 +109,13 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
 
     async def one(question: str, fact: str, group: str) -> None:
         async with limit, AgentScopeSession(args.gateway, group_id=group, api_key=args.api_key) as session:
-            reply = await make_agent(session, args)(Msg("user", question, "user"))
+            reply = await make_agent(session, args).reply(UserMsg("user", question))
             answer = reply.get_text_content() or ""
             reward = score(answer, fact)
             await session.areward(reward)
             rewards.append(reward)
             results.append({"session_id": session.session_id, "question": question, "fact": fact,
-                            "answer": answer, "reward": reward, "last_completion_id": reply.invocation_id})
+                            "answer": answer, "reward": reward, "completion_ids": session.completion_ids})
             done = len(rewards)
             if args.verbose:
                 print(f"{question} -> {answer!r}  reward {reward}  ({session.session_id})", flush=True)
@@ -137,11 +144,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--max-iters", type=int, default=3, help="reasoning-acting steps before ReActAgent summarizes")
+    parser.add_argument("--max-iters", type=int, default=3, help="reasoning-acting steps before the agent summarizes")
     parser.add_argument("--first-tool-choice", default="search", choices=["search", "required", "auto"],
                         help="tool_choice of the first reasoning step (forced choices need a vLLM engine)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false", help="non-streamed model calls")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verbose", action="store_true", help="print every episode and the agent's messages")
+    parser.add_argument("--verbose", action="store_true", help="print every episode")
     parser.add_argument("--out", help="write one JSON object per episode here")
     args = parser.parse_args()
     results = asyncio.run(run(args))

@@ -20,6 +20,28 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+def message_problem(messages: list[ChatMessage]) -> tuple[str, str, str] | None:
+    """(param, message, code) of the first message the gateway must refuse, as OpenAI would or because
+    the model cannot see it: a content part that is not text (images, audio, files: the prompt would
+    silently lose them), or a `tool` message whose `tool_call_id` no earlier assistant message's
+    `tool_calls` has. None when every message can be rendered."""
+    called: set[str] = set()
+    for index, message in enumerate(messages):
+        for part_index, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                where = f"messages.{index}.content.{part_index}"
+                text = (f"{where}: content parts of type {part.get('type')!r} are not supported; only text parts "
+                        "({'type': 'text', 'text': ...}) reach the model.")
+                return where, text, "unsupported_content"
+        if message.role == "assistant":
+            called.update(str(call.get("id")) for call in message.tool_calls or [])
+        elif message.role == "tool" and message.tool_call_id not in called:
+            return (f"messages.{index}.tool_call_id", f"messages.{index}: a 'tool' message for "
+                    f"'{message.tool_call_id}', which no earlier assistant message's tool_calls has.",
+                    "unknown_tool_call_id")
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -19,7 +19,7 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
-from tracetrain.proxy.errors import error_body
+from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import (
     ChatCompletionChoice,
@@ -31,6 +31,7 @@ from tracetrain.proxy.protocol import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    message_problem,
 )
 from tracetrain.proxy.render import canonical_message
 from tracetrain.proxy.serving import (
@@ -64,6 +65,9 @@ def _constraint(body: ChatCompletionRequest) -> Constraint | None:
 
 
 def _spec(request: Request, body: ChatCompletionRequest, default_max_tokens: int) -> CallSpec:
+    if problem := message_problem(body.messages):
+        param, message, code = problem
+        raise APIError(400, message, code=code, param=param)
     constraint = _constraint(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(

@@ -1,6 +1,7 @@
 """Bad input sent into a session that already has calls, in each API: a 4xx in that API's error
 shape (400, or 404 for an unknown `previous_response_id`), and the session's recorded calls are
-untouched and still extend as before."""
+untouched and still extend as before. Also: a reward addressed by a Responses or Messages id lands
+on that call, as one by a chat completion id does."""
 
 from __future__ import annotations
 
@@ -85,3 +86,15 @@ def test_bad_input_into_a_recorded_session_loses_nothing(tool_gateway: RunningGa
         again = _post(tool_gateway, session, api, {**FIRST[api], "messages": history})
     assert again.status_code == 200, again.text
     assert [c["link"] for c in _calls(tool_gateway, session)] == ["start", "extend"]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_rewards_by_response_and_message_id(tool_gateway: RunningGateway, api: str) -> None:
+    session = f"reward-{api}"
+    reply = _post(tool_gateway, session, api, FIRST[api]).json()
+    posted = httpx.post(f"{tool_gateway.url}/v1/rewards", json={"completion_id": reply["id"], "reward": 0.5,
+                                                                "final": True}, timeout=30)
+    assert posted.status_code == 200, posted.text
+    info = httpx.get(f"{tool_gateway.url}/v1/sessions/{session}", timeout=30).json()
+    (reward,) = info["rewards"]
+    assert reward["call_id"] == f"{reply['id']}-0" and reward["value"] == 0.5 and info["status"] == "final"

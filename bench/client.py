@@ -32,7 +32,7 @@ class Reply:
     latency_s: float = 0.0
     """From writing the request to the end of the reply."""
     first_token_s: float | None = None
-    """Streams only: until the first event whose choice carries text (`delta.content` or `text`)."""
+    """Streams only: until the first event that carries answer text."""
     done: bool = False
     """Streams only: `data: [DONE]` arrived."""
 
@@ -41,8 +41,14 @@ class Reply:
 
 
 def _has_text(event: Any) -> bool:
+    """Chat and completions chunks, Responses' `response.output_text.delta`, Anthropic's text deltas."""
     if not isinstance(event, dict):
         return False
+    kind = event.get("type")
+    if kind == "response.output_text.delta":
+        return bool(event.get("delta"))
+    if kind == "content_block_delta":
+        return bool((event.get("delta") or {}).get("text"))
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
         if (delta and delta.get("content")) or choice.get("text"):
@@ -154,9 +160,10 @@ class Connection:
             buffer += part
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
-                if not event.startswith(b"data:"):
+                # Responses and Anthropic events carry an `event:` line before their `data:` line.
+                data = next((line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")), None)
+                if data is None:
                     continue
-                data = event[5:].strip()
                 if data == b"[DONE]":
                     reply.done = True
                     continue

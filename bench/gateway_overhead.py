@@ -6,11 +6,13 @@ fresh SQLite store), and this one, the load generator. For each concurrency and 
 streaming requests, the same workload goes
 
 - direct: to the upstream's own `/v1/chat/completions`, and
-- gateway: to `/s/<session>/v1/chat/completions` of the gateway, which renders the chat template,
-  calls the upstream's `/v1/completions` with token ids and commits the call before answering.
+- gateway <api>: to the gateway's `/s/<session>/v1/chat/completions`, `/v1/responses` and
+  `/v1/messages` (`--apis`), the same conversation in each API's shape; the gateway renders the chat
+  template, calls the upstream's `/v1/completions` with token ids and commits the call before
+  answering, so the APIs differ only in their protocol layer.
 
-Phases alternate direct/gateway in rounds (D G, G D, …) so that background load on the machine hits
-both alike; compare the two columns of one run, not runs with each other. Sessions: `--sessions
+Phases run in rounds whose target order rotates (D C R M, C R M D, …) so that background load on the
+machine hits every target alike; compare the columns of one run, not runs with each other. Sessions: `--sessions
 unique` (default) gives every request its own new session; `--sessions multiturn` runs one
 conversation per client connection that grows for `--turns` turns (each request extends the previous
 reply, exercising the token chain), then starts a new session. Afterwards every completion id the load
@@ -43,7 +45,8 @@ from typing import Any
 import orjson
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.client import Connection, HTTPFailure, Reply
+from bench.apis import APIS, Api, Turn
+from bench.client import Connection, HTTPFailure
 from bench.common import (
     OUT_DIR,
     ResultTable,
@@ -144,29 +147,19 @@ class Conversation:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.session = ""
-        self.messages: list[dict[str, Any]] = []
+        self.turns: list[Turn] = []
         self.turn = 0
         self._new()
 
     def _new(self) -> None:
         self.session = f"{self.workload.tag}-{next(_session_numbers)}"
-        self.messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": self.workload.user_text(next(_request_numbers))},
-        ]
+        self.turns: list[Turn] = [("user", self.workload.user_text(next(_request_numbers)))]
         self.turn = 0
 
-    def body(self, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": MODEL_NAME,
-            "messages": self.messages,
-            "max_tokens": self.workload.max_tokens,
-            "stream": stream,
-        }
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        if self.workload.temperature is not None:
-            body["temperature"] = self.workload.temperature
+    def body(self, api: Api, stream: bool) -> dict[str, Any]:
+        """The conversation so far in `api`'s request shape (the system prompt where that API puts it)."""
+        body = api.body(SYSTEM_PROMPT, self.turns, self.workload.max_tokens, stream, self.workload.temperature)
+        body["model"] = MODEL_NAME
         return body
 
     def advance(self, reply_text: str) -> None:
@@ -174,11 +167,7 @@ class Conversation:
         if self.turn >= self.workload.turns:
             self._new()
             return
-        self.messages = [
-            *self.messages,
-            {"role": "assistant", "content": reply_text},
-            {"role": "user", "content": self.workload.user_text(next(_request_numbers))},
-        ]
+        self.turns = [*self.turns, ("assistant", reply_text), ("user", self.workload.user_text(next(_request_numbers)))]
 
 
 # ---------------------------------------------------------------- targets and phases
@@ -190,9 +179,10 @@ class Target:
     host: str
     port: int
     via_gateway: bool
+    api: Api
 
     def path(self, session: str) -> str:
-        return f"/s/{session}/v1/chat/completions" if self.via_gateway else "/v1/chat/completions"
+        return f"/s/{session}{self.api.path}" if self.via_gateway else self.api.path
 
 
 @dataclass
@@ -231,23 +221,6 @@ class Stats:
         if not self.samples or process not in self.cpu_s:
             return float("nan")
         return 1000 * self.cpu_s[process] / len(self.samples)
-
-
-def _parse(reply: Reply, stream: bool) -> tuple[str, str, int]:
-    """(completion id, answer text, completion tokens) of a successful reply."""
-    if not stream:
-        data = reply.json()
-        message = data["choices"][0]["message"]
-        return data["id"], message["content"] or "", int(data["usage"]["completion_tokens"])
-    if not reply.done or not reply.events:
-        raise HTTPFailure("stream ended without [DONE]")
-    for event in reply.events:
-        if "error" in event:
-            raise HTTPFailure(f"error event: {event['error']}")
-    choices = [c for e in reply.events for c in e.get("choices") or ()]
-    text = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
-    usage: dict[str, Any] = next((e["usage"] for e in reversed(reply.events) if e.get("usage")), {})
-    return reply.events[0]["id"], text, int(usage.get("completion_tokens") or 0)
 
 
 @dataclass
@@ -293,13 +266,13 @@ class LoadRunner:
             try:
                 while remaining > 0 and time.perf_counter() < stop_at:
                     remaining -= 1
-                    path, body = target.path(conversation.session), conversation.body(stream)
+                    path, body = target.path(conversation.session), conversation.body(target.api, stream)
                     try:
                         post = conn.post(path, body, stream=stream)
                         reply = await asyncio.wait_for(post, self.plan.request_timeout_s)
                         if reply.status != 200:
                             raise HTTPFailure(f"HTTP {reply.status}: {reply.body[:200]!r}")
-                        completion_id, text, tokens = _parse(reply, stream)
+                        completion_id, text, tokens = target.api.parse(reply, stream)
                     except (HTTPFailure, TimeoutError, KeyError, ValueError) as exc:
                         stats.errors[str(exc)[:120] or type(exc).__name__] += 1
                         await conn.close()
@@ -323,12 +296,13 @@ class LoadRunner:
         if remaining > 0:
             stats.errors[f"phase deadline ({self.plan.phase_timeout_s:.0f} s) hit: {remaining} not sent"] += 1
 
-    async def run(self, direct: Target, gateway: Target) -> dict[Key, Stats]:
-        """Warm-up, then per config alternating rounds: D G, G D, D G, …"""
+    async def run(self, targets: list[Target]) -> dict[Key, Stats]:
+        """Warm-up, then per config rounds whose target order rotates: D G, G D, … (D A B C, A B C D, …)."""
         plan = self.plan
         results: dict[Key, Stats] = {}
         configs = [(s, c) for s in plan.streams for c in plan.concurrencies]
-        total = sum(plan.count(c) * 2 for _, c in configs) + plan.warmup * 2 * len(plan.streams)
+        n = len(targets)
+        total = sum(plan.count(c) * n for _, c in configs) + plan.warmup * n * len(plan.streams)
         columns = (
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -346,7 +320,7 @@ class LoadRunner:
             tick = asyncio.create_task(ticker())
             try:
                 for stream in plan.streams:
-                    for target in (direct, gateway):
+                    for target in targets:
                         warm = min(4, max(1, plan.warmup))
                         await self.phase(
                             target, stream=stream, concurrency=warm, requests=plan.warmup, stats=Stats()
@@ -354,7 +328,7 @@ class LoadRunner:
                 for stream, concurrency in configs:
                     per_round = max(1, plan.count(concurrency) // plan.rounds)
                     for r in range(plan.rounds):
-                        for target in (direct, gateway) if r % 2 == 0 else (gateway, direct):
+                        for target in targets[r % n :] + targets[: r % n]:
                             mode = "stream" if stream else "non-stream"
                             label = f"{mode} c={concurrency} round {r + 1}/{plan.rounds}: {target.name}"
                             progress.update(task, description=label)
@@ -535,12 +509,15 @@ def _mode(stream: bool) -> str:
     return "stream" if stream else "non-stream"
 
 
-def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: str) -> list[ResultTable]:
+def report(
+    results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: str, apis: list[str]
+) -> list[ResultTable]:
     summary = ResultTable(
-        f"Gateway overhead vs direct ({upstream} upstream)",
+        f"Gateway overhead vs direct ({upstream} upstream; direct is always its chat completions)",
         [
             "mode",
             "conc",
+            "gateway API",
             "direct req/s",
             "gateway req/s",
             "gw/direct",
@@ -571,20 +548,24 @@ def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: s
     )
     for stream in plan.streams:
         for c in plan.concurrencies:
-            d, g = results[(stream, c, "direct")], results[(stream, c, "gateway")]
-            summary.add(
-                _mode(stream),
-                c,
-                _rate(d.rps),
-                _rate(g.rps),
-                f"{g.rps / d.rps:.0%}" if d.rps else "n/a",
-                _ms(g.latency_ms(50) - d.latency_ms(50)),
-                _ms(g.latency_ms(99) - d.latency_ms(99)),
-                _ms(g.ttft_ms(50) - d.ttft_ms(50)) if stream else "",
-                _ms(g.cpu_ms_per_request("gateway")),
-                f"{sum(d.errors.values())}/{sum(g.errors.values())}",
-            )
-            for name, t in (("direct", d), ("gateway", g)):
+            d = results[(stream, c, "direct")]
+            for api in apis:
+                g = results[(stream, c, gateway_name(api))]
+                summary.add(
+                    _mode(stream),
+                    c,
+                    api,
+                    _rate(d.rps),
+                    _rate(g.rps),
+                    f"{g.rps / d.rps:.0%}" if d.rps else "n/a",
+                    _ms(g.latency_ms(50) - d.latency_ms(50)),
+                    _ms(g.latency_ms(99) - d.latency_ms(99)),
+                    _ms(g.ttft_ms(50) - d.ttft_ms(50)) if stream else "",
+                    _ms(g.cpu_ms_per_request("gateway")),
+                    f"{sum(d.errors.values())}/{sum(g.errors.values())}",
+                )
+            for name in ["direct", *map(gateway_name, apis)]:
+                t = results[(stream, c, name)]
                 detail.add(
                     _mode(stream),
                     c,
@@ -596,7 +577,7 @@ def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: s
                     _ms(t.ttft_ms(50)) if stream else "",
                     _ms(t.ttft_ms(99)) if stream else "",
                     f"{t.tokens_per_request():.1f}",
-                    _ms(t.cpu_ms_per_request("gateway")) if name == "gateway" else "",
+                    _ms(t.cpu_ms_per_request("gateway")) if name != "direct" else "",
                     _ms(t.cpu_ms_per_request("upstream")),
                     _ms(t.cpu_ms_per_request("loadgen")),
                 )
@@ -608,9 +589,9 @@ def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: s
     wrong = "n/a" if check.wrong_tokens is None else check.wrong_tokens
     store.add(check.received, check.stored, check.missing, wrong, check.links)
     targets = ResultTable("Targets", ["target", "measured", "met"])
-    if 16 in plan.concurrencies:
+    if 16 in plan.concurrencies and "chat" in apis:
         for stream in plan.streams:
-            d, g = results[(stream, 16, "direct")], results[(stream, 16, "gateway")]
+            d, g = results[(stream, 16, "direct")], results[(stream, 16, gateway_name("chat"))]
             added = g.latency_ms(50) - d.latency_ms(50)
             ratio = g.rps / d.rps if d.rps else float("nan")
             targets.add(f"added p50 < 2 ms at c=16 ({_mode(stream)})", f"{added:.2f} ms", _yes(added < 2))
@@ -628,6 +609,10 @@ def report(results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: s
             table.add(message, count)
         tables.append(table)
     return tables
+
+
+def gateway_name(api: str) -> str:
+    return f"gateway {api}"
 
 
 def _yes(ok: bool) -> str:
@@ -664,6 +649,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, help="warm-up requests per target and mode (default 100; vllm: 4)")
     p.add_argument("--mode", choices=["both", "non-stream", "stream"], default="both")
+    p.add_argument(
+        "--apis",
+        default="chat,responses,messages",
+        help="gateway APIs to measure, each against the same direct chat baseline (default: all three)",
+    )
     p.add_argument(
         "--sessions",
         choices=["unique", "multiturn"],
@@ -732,6 +722,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile and not args.py_spy:
         raise SystemExit("--profile needs py-spy (pip install py-spy, or --py-spy PATH)")
     gateway_env = dict(item.split("=", 1) for item in args.gateway_env)
+    apis = args.apis.split(",")
+    if unknown := set(apis) - set(APIS):
+        raise SystemExit(f"--apis: unknown {sorted(unknown)}; choose from {sorted(APIS)}")
 
     from tracetrain.engines.models import smollm2_dir
 
@@ -760,10 +753,11 @@ def main(argv: list[str] | None = None) -> None:
             meters["upstream"] = functools.partial(group_cpu_seconds, upstream.process.pid)
         runner = LoadRunner(plan, workload, meters)
         host, port = upstream.url.removeprefix("http://").rsplit(":", 1)
-        direct = Target("direct", host, int(port), via_gateway=False)
-        via = Target("gateway", "127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), via_gateway=True)
+        direct = Target("direct", host, int(port), via_gateway=False, api=APIS["chat"])
+        gateway_port = int(gateway.url.rsplit(":", 1)[1])
+        vias = [Target(gateway_name(api), "127.0.0.1", gateway_port, via_gateway=True, api=APIS[api]) for api in apis]
         started = time.perf_counter()
-        results = asyncio.run(runner.run(direct, via))
+        results = asyncio.run(runner.run([direct, *vias]))
         elapsed = time.perf_counter() - started
         folded = profiler.stop() if profiler else None
         with console.status("checking the store…"):
@@ -775,7 +769,7 @@ def main(argv: list[str] | None = None) -> None:
             upstream.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    tables = report(results, plan, check, args.upstream)
+    tables = report(results, plan, check, args.upstream, apis)
     if folded is not None and folded.exists():
         tables += profile_tables(folded, top=25)
     for table in tables:
@@ -787,8 +781,10 @@ def main(argv: list[str] | None = None) -> None:
         f"sessions: {args.sessions} ({turns}); answers of {args.max_tokens} tokens; user messages of "
         f"{args.prompt_words} words; {plan.rounds} alternating direct/gateway rounds per config; "
         f"load phases took {elapsed:.0f} s",
-        "direct = the upstream's own /v1/chat/completions; gateway = /s/<session>/v1/chat/completions "
-        "(chat template + tokenizer, upstream /v1/completions with token ids, store commit before answering)",
+        "direct = the upstream's own /v1/chat/completions; gateway <api> = /s/<session>/v1/chat/completions, "
+        "/v1/responses or /v1/messages with the same conversation in that API's shape (chat template + "
+        "tokenizer, upstream /v1/completions with token ids, store commit before answering)",
+        f"targets per round: direct + {len(apis)} gateway APIs, their order rotated every round",
         "added = gateway percentile minus direct percentile; TTFT = until the first SSE event carrying text",
         "one machine with shared, partly stolen cores: compare within a run, not across runs",
     ]

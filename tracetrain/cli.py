@@ -54,7 +54,8 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     started = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
     urls = config.engine_url or [server.url for server in started]
     servers: list[VLLMServer | None] = list(started) or [None] * len(urls)
-    replicas = [Replica(VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s),
+    replicas = [Replica(VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s,
+                                   json_max_whitespace=config.json_max_whitespace),
                         server=server) for url, server in zip(urls, servers, strict=True)]
     return ReplicaSet(replicas, spill_at=config.replica_spill_at, max_outstanding=config.replica_max_outstanding,
                       queue_wait_s=config.replica_queue_wait_s, queue_limit=config.replica_queue_limit,
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = _parser().parse_args(argv)
     skip = ("config", "command", "format", "out", "train", "gateway_url", "set", "action")
-    overrides = {k: v for k, v in vars(args).items() if k not in skip}
+    # A flag left out is None here; only given flags override (`--set KEY=null` may set a None).
+    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     try:
         config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
     except ValidationError as exc:  # a sentence per problem, not a traceback

@@ -211,6 +211,10 @@ class Config(BaseSettings):
     """Extra command-line arguments for the vLLM server the gateway starts."""
     engine_timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
+    json_max_whitespace: int | None = Field(default=12, ge=1)
+    """vLLM: at most this many consecutive whitespace characters in constrained JSON (forced tool
+    calls, `response_format`), per request through an xgrammar structural tag; enough for the
+    model's own `{\n  "key": …` layout, too few to pad until max_tokens. None: the server's setting."""
     db_url: str = "sqlite:///tracetrain.db"
     """Store URL: SQLite (WAL) file or postgresql+psycopg://…"""
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
@@ -324,7 +328,7 @@ def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:
     """Defaults < YAML file < `TRACETRAIN_…` environment < `overrides` (CLI flags, nested dicts merge)."""
     token = _YAML_FILE.set(yaml_path)
     try:
-        return Config(**{k: v for k, v in overrides.items() if v is not None})
+        return Config(**overrides)
     finally:
         _YAML_FILE.reset(token)
 

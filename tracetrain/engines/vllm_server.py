@@ -140,11 +140,8 @@ class VLLMServer:
                "--dtype", self.dtype]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
-        # Compact JSON under constraints (forced tool calls, response_format): with any whitespace
-        # allowed a small model pads with newlines until max_tokens. vLLM 0.32 reads this option
-        # per server only (a request's own `disable_any_whitespace` is ignored), and only with a named
-        # backend: xgrammar, the one it picks by default.
-        cmd += ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+        # No structured-output flags: the engine bounds whitespace per request (`json_constraint` in
+        # engines/vllm.py), so this server is configured as one a user starts by hand.
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enable_lora:

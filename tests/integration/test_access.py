@@ -143,15 +143,18 @@ def test_unbound_calls_belong_to_their_key(keyed: RunningGateway) -> None:
     _error(_get(keyed, f"/v1/sessions/{completion}", AGENT_B), 403, "session_forbidden")
 
 
-def test_listing_and_export_need_the_admin_key(keyed: RunningGateway) -> None:
+def test_export_needs_the_admin_key_and_agents_list_only_their_sessions(keyed: RunningGateway) -> None:
     _create(keyed, "agent-a", "a-export")
-    _error(_get(keyed, "/v1/sessions", AGENT_A), 403, "admin_required")
+    _create(keyed, "agent-b", "b-listed")
     _error(_get(keyed, "/v1/export", AGENT_A), 403, "admin_required")
     with pytest.raises(openai.PermissionDeniedError):
-        _sdk(keyed, "agent-a").get("/sessions", cast_to=object)
+        _sdk(keyed, "agent-a").get("/export", cast_to=object)
+    for agent, mine, theirs in ((AGENT_A, "a-export", "b-listed"), (AGENT_B, "b-listed", "a-export")):
+        seen = {s["id"] for s in _get(keyed, "/v1/sessions", agent).json()["data"]}
+        assert mine in seen and theirs not in seen
     listed = _get(keyed, "/v1/sessions", ADMIN)
     assert listed.status_code == 200
-    assert "a-export" in {s["id"] for s in listed.json()["data"]}
+    assert {"a-export", "b-listed"} <= {s["id"] for s in listed.json()["data"]}
     exported = _get(keyed, "/v1/export", ADMIN)
     assert exported.status_code == 200
     for path in ("/v1/generation/hold", "/v1/generation/release"):

@@ -71,6 +71,11 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
         (trajectory,) = session_trajectories(queries.session_calls(db, session_id="old-1"))
         (old_call,) = queries.session_calls(db, session_id="old-0")
         assert call_messages(db, call=old_call) == [{"role": "user", "content": "hi"}], "0.1 rows keep all messages"
+        # what the session list sorts and filters on is filled in for old sessions
+        old = queries.get_session(db, session_id="old-1")
+        assert old is not None
+        assert (old.model, old.calls, old.tokens, old.reward, old.reward_override, old.excluded) == (
+            "tiny", 1, 8, 1.0, None, False)
     (segment,) = trajectory["segments"]
     assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")

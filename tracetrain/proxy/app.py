@@ -14,6 +14,7 @@ from tracetrain.proxy.openapi import install_openapi
 from tracetrain.proxy.routes import (
     chat,
     completions,
+    corrections,
     generation,
     messages,
     policies,
@@ -21,6 +22,7 @@ from tracetrain.proxy.routes import (
     responses,
     rewards,
     sessions,
+    stats,
     system,
 )
 
@@ -70,8 +72,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     install_openapi(app)
-    for module in (chat, messages, responses, completions, rewards, sessions, system, policies, replicas,
-                   generation):
+    for module in (chat, messages, responses, completions, rewards, sessions, corrections, stats, system, policies,
+                   replicas, generation):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
     return app

@@ -37,6 +37,17 @@ def _error(path: str, description: str) -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
 
+ERROR_DESCRIPTIONS = {401: "Missing or wrong API key", 403: "Not allowed for this API key",
+                      404: "No such session"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """Documented error answers of an OpenAI-shaped route, for its decorator's `responses=`."""
+    return {status: {"description": ERROR_DESCRIPTIONS[status],
+                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            for status in statuses}
+
+
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(

@@ -27,7 +27,8 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
     calls = queries.session_calls(db, session_id=session_id)
     by_id = {call.id: call for call in calls}
     rewards = queries.session_rewards(db, session_id=session_id)
-    total = sum(r.value for r in rewards)
+    # An admin's override is the session's reward for every trainer, offline ones included.
+    total = sum(r.value for r in rewards) if session.reward_override is None else session.reward_override
     for t_index, trajectory in enumerate(session_trajectories(calls)):
         for s_index, segment in enumerate(trajectory["segments"]):
             last = by_id[segment["call_ids"][-1]]
@@ -39,6 +40,7 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
                 "reward": total, "final": session.status == "final",
                 # Which step learned from it, or why the online trainer left it (stale, zero_variance, ...).
                 "trained_version": session.trained_version, "unused_reason": session.skip_reason,
+                "excluded": session.excluded,
                 "prompt": full_messages(last, by_id), "completion": [last.response_message],
             }
 

@@ -1,6 +1,7 @@
 """Trainer claims on finished sessions, and what is left for other uses.
 
-A session with a final reward is *ready* until a trainer either consumes it (`trained_version` set:
+A session an admin excluded is never ready (until it is included again). A session with a final
+reward is *ready* until a trainer either consumes it (`trained_version` set:
 the step that produced that version learned from it) or sets it aside (`skip_reason` set,
 `trained_version` still empty: the online trainer cannot use it, e.g. `stale` or `zero_variance`,
 but it stays in the store for off-policy and offline algorithms and for export).
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, exists, or_, update
+from sqlalchemy import and_, case, exists, false, or_, update
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, func, select
 
@@ -25,8 +26,9 @@ from tracetrain.store.models import AgentSession, Call, Policy, utcnow
 
 
 def _unused(*, include_set_aside: bool = False) -> ColumnElement[bool]:
-    """Final and not consumed; not set aside either, unless `include_set_aside`."""
-    unused = and_(col(AgentSession.status) == "final", col(AgentSession.trained_version).is_(None))
+    """Final, not consumed and not excluded by an admin; not set aside either, unless `include_set_aside`."""
+    unused = and_(col(AgentSession.status) == "final", col(AgentSession.trained_version).is_(None),
+                  col(AgentSession.excluded).is_(false()))
     return unused if include_set_aside else and_(unused, col(AgentSession.skip_reason).is_(None))
 
 
@@ -116,7 +118,9 @@ def _lease(db: Session, *, trainer_id: str, session_ids: list[str], lease_s: flo
         return []
     now = utcnow()
     until = now + timedelta(seconds=lease_s)
-    db.execute(update(AgentSession).where(col(AgentSession.id).in_(session_ids), _lease_free(now))
+    # Checked again in the update: an admin may have excluded a session since the select.
+    db.execute(update(AgentSession).where(col(AgentSession.id).in_(session_ids), _lease_free(now),
+                                          col(AgentSession.excluded).is_(false()))
                .values(lease_owner=trainer_id, lease_until=until))
     db.commit()
     # Another trainer may have won some of them between the select and the update.
@@ -164,11 +168,14 @@ def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
 
 
 def set_aside_counts(db: Session) -> dict[str, int]:
-    """Sessions left unconsumed in the store, by reason."""
-    query = (select(AgentSession.skip_reason, func.count()).where(
-        col(AgentSession.trained_version).is_(None), col(AgentSession.skip_reason).is_not(None))
-        .group_by(col(AgentSession.skip_reason)))
-    return {str(reason): int(n) for reason, n in db.exec(query).all()}
+    """Sessions left unconsumed in the store, by reason; those an admin excluded count as `excluded`,
+    whatever the trainer said of them before."""
+    reason = case((col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
+    query = (select(reason, func.count()).where(
+        col(AgentSession.trained_version).is_(None),
+        or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True)))
+        .group_by(reason))
+    return {str(why): int(n) for why, n in db.exec(query).all()}
 
 
 def latest_policy(db: Session) -> Policy | None:

@@ -34,8 +34,22 @@ class AgentSession(AgentSessionBase, table=True):
     __tablename__ = "sessions"
     owner: str | None = Field(default=None, index=True, max_length=64)
     """Fingerprint of the API key that created the session; None when the gateway runs without keys."""
-    created_at: datetime = Field(default_factory=utcnow)
-    updated_at: datetime = Field(default_factory=utcnow)
+    created_at: datetime = Field(default_factory=utcnow, index=True)
+    updated_at: datetime = Field(default_factory=utcnow, index=True)
+    model: str | None = Field(default=None, index=True, max_length=256)
+    """The model its first call asked for."""
+    calls: int = Field(default=0, index=True)
+    """Call rows recorded (one per sampled choice), kept by the writes that record them."""
+    tokens: int = Field(default=0, index=True)
+    """Tokens stored for the session: every call's new prompt tokens plus its sampled ones."""
+    reward: float | None = Field(default=None, index=True)
+    """The session's reward as the trainer sees it: `reward_override` if an admin set one, else the sum
+    of every reward event (None before the first)."""
+    reward_override: float | None = None
+    """Set by an admin (`POST /v1/sessions/{id}/reward_override`): replaces the posted rewards, per-call
+    ones included, for training."""
+    excluded: bool = Field(default=False)
+    """Kept out of training by an admin: no trainer claims it until it is included again."""
     lease_owner: str | None = Field(default=None, max_length=64)
     """The trainer that has claimed this session for a step, until `lease_until`."""
     lease_until: datetime | None = None
@@ -50,6 +64,14 @@ class AgentSession(AgentSessionBase, table=True):
 class AgentSessionPublic(AgentSessionBase):
     created_at: datetime
     updated_at: datetime
+    model: str | None = None
+    calls: int = 0
+    tokens: int = 0
+    reward: float | None = None
+    reward_override: float | None = None
+    excluded: bool = False
+    trained_version: int | None = None
+    skip_reason: str | None = None
 
 
 class CallBase(SQLModel):
@@ -138,3 +160,30 @@ class GenerationHold(SQLModel, table=True):
     __tablename__ = "generation_holds"
     holder: str = Field(primary_key=True, max_length=128)
     expires_at: datetime
+
+
+SESSION_ACTIONS = ("exclude", "include", "reward_override")
+
+
+class SessionActionBase(SQLModel):
+    """One correction an admin made to a session, kept for good: who, when, what it was and became."""
+
+    session_id: str = Field(index=True, max_length=256)
+    action: str = Field(max_length=32)
+    """One of `SESSION_ACTIONS`."""
+    actor: str | None = Field(default=None, max_length=64)
+    """Fingerprint of the key that made it; None when the gateway runs without keys."""
+    note: str = ""
+    old_value: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    new_value: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+class SessionAction(SessionActionBase, table=True):
+    __tablename__ = "session_actions"
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class SessionActionPublic(SessionActionBase):
+    id: int
+    created_at: datetime

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, insert, update
+from sqlalchemy import Table, bindparam, case, insert, update
 from sqlalchemy import select as core_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
@@ -25,7 +25,8 @@ _SESSIONS: Table = AgentSession.__table__  # type: ignore[attr-defined]
 _CALLS: Table = Call.__table__  # type: ignore[attr-defined]
 _INSERT_SESSION = {name: dialect.insert(_SESSIONS).on_conflict_do_nothing() for name, dialect in
                    (("postgresql", postgresql), ("sqlite", sqlite))}
-_TOUCH_SESSION = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(updated_at=bindparam("now"))
+_TOUCH_SESSION = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(
+    updated_at=bindparam("now"), calls=_SESSIONS.c.calls + bindparam("n"), tokens=_SESSIONS.c.tokens + bindparam("t"))
 _NEXT_SEQ = core_select(func.max(_CALLS.c.seq)).where(_CALLS.c.session_id == bindparam("sid"))
 _CHAINED_CHILD = core_select(_CALLS.c.id).where(
     _CALLS.c.session_id == bindparam("sid"), _CALLS.c.parent_id == bindparam("parent"),
@@ -34,11 +35,11 @@ _INSERT_CALLS = insert(_CALLS)
 _SESSION_OWNER = core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id).where(_SESSIONS.c.id == bindparam("sid"))
 
 
-def add_session_if_absent(db: Session, *, session: AgentSession) -> bool:
-    """Insert `session` unless its id exists (two first calls of one session may race): one
-    INSERT … ON CONFLICT DO NOTHING. True when this insert created it."""
+def add_session_if_absent(db: Session, *, session: AgentSession, **values: Any) -> bool:
+    """Insert `session` (with column `values` over its own) unless its id exists (two first calls of
+    one session may race): one INSERT … ON CONFLICT DO NOTHING. True when this insert created it."""
     statement = _INSERT_SESSION["postgresql" if db.get_bind().dialect.name == "postgresql" else "sqlite"]
-    return db.connection().execute(statement, session.model_dump()).rowcount == 1
+    return db.connection().execute(statement, {**session.model_dump(), **values}).rowcount == 1
 
 
 def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str] | None:
@@ -47,11 +48,6 @@ def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | Non
     the query (profiled)."""
     row = conn.execute(_SESSION_OWNER, {"sid": session_id}).first()
     return None if row is None else (row[0], row[1])
-
-
-def list_sessions(db: Session, *, limit: int = 100, offset: int = 0) -> Sequence[AgentSession]:
-    query = select(AgentSession).order_by(col(AgentSession.created_at).desc()).offset(offset).limit(limit)
-    return db.exec(query).all()
 
 
 def session_calls(db: Session, *, session_id: str) -> Sequence[Call]:
@@ -119,10 +115,13 @@ def record_calls(db: Session, *, session_id: str, new_session: AgentSession | No
     SQLite the writer's transaction is IMMEDIATE), so two processes cannot take the same number."""
     conn = db.connection()
     parent, link = rows[0]["parent_id"], rows[0]["link"]
-    if new_session is not None and add_session_if_absent(db, session=new_session):
+    # The session's counts for the console's list: choices share the request's new prompt tokens.
+    tokens = rows[0]["prompt_tokens"] - rows[0]["prefix_len"] + sum(row["completion_tokens"] for row in rows)
+    if new_session is not None and add_session_if_absent(db, session=new_session, model=rows[0]["model"],
+                                                         calls=len(rows), tokens=tokens):
         seq = 0  # created just now, in this transaction: it has no calls and no parent to contend for
     else:
-        conn.execute(_TOUCH_SESSION, {"sid": session_id, "now": utcnow()})
+        conn.execute(_TOUCH_SESSION, {"sid": session_id, "now": utcnow(), "n": len(rows), "t": tokens})
         current = conn.execute(_NEXT_SEQ, {"sid": session_id}).scalar()
         seq = 0 if current is None else int(current) + 1
         if link == "extend" and parent is not None and \
@@ -130,3 +129,16 @@ def record_calls(db: Session, *, session_id: str, new_session: AgentSession | No
             link = "branch"  # another process extended the parent first
     conn.execute(_INSERT_CALLS, [{**row, "seq": seq, "link": link} for row in rows])
     return seq
+
+
+def add_reward(db: Session, *, reward: Reward) -> None:
+    """Store a reward event; the session's `reward` grows by its value (unless an admin overrode it),
+    and a `final` one finishes the session."""
+    db.add(reward)
+    values: dict[str, Any] = {"reward": case((col(AgentSession.reward_override).is_(None),
+                                              func.coalesce(col(AgentSession.reward), 0.0) + reward.value),
+                                             else_=col(AgentSession.reward))}
+    if reward.final:
+        values |= {"status": "final", "updated_at": utcnow()}
+    db.execute(update(AgentSession).where(col(AgentSession.id) == reward.session_id).values(**values)
+               .execution_options(synchronize_session=False))

@@ -3,7 +3,7 @@
 A sample is one trajectory segment: the exact token ids the engine saw and sampled, the loss mask (1
 on sampled tokens), the behaviour logprobs and the policy version of every sampled token. Its reward
 is the session's: the sum of session-level rewards plus per-call rewards discounted back to the
-segment's first call.
+segment's first call; or, when an admin overrode it, the override, for every segment.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def load_samples(db: Session, session_ids: list[str], *, gamma: float = 1.0) -> 
                     continue
                 turn_rewards = sum(gamma**turn * per_call.get(call_id, 0.0)
                                    for turn, call_id in enumerate(segment["call_ids"]))
+                value = outcome + turn_rewards if session.reward_override is None else session.reward_override
                 samples.append(Sample(session_id, session.group_id, segment["token_ids"], segment["loss_mask"],
-                                      segment["logprobs"], segment["policy_versions"], outcome + turn_rewards,
-                                      finished))
+                                      segment["logprobs"], segment["policy_versions"], value, finished))
     return samples
 
 

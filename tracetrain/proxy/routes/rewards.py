@@ -13,7 +13,7 @@ from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.protocol import RewardRequest, RewardResponse
 from tracetrain.store import queries
-from tracetrain.store.models import AgentSession, Reward, utcnow
+from tracetrain.store.models import Reward
 
 router = APIRouter()
 
@@ -66,12 +66,7 @@ async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
                                       final=seen.final, duplicate=True)
         reward = Reward(session_id=session_id, call_id=call_id, value=value, components=components,
                         final=body.final, idempotency_key=body.idempotency_key)
-        db.add(reward)
-        if body.final:
-            session = db.get(AgentSession, session_id)
-            if session is not None:
-                session.status, session.updated_at = "final", utcnow()
-                db.add(session)
+        queries.add_reward(db, reward=reward)
         db.flush()
         return RewardResponse(id=reward.id or 0, session_id=session_id, call_id=call_id, value=value,
                               final=body.final)

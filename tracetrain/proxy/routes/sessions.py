@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlmodel import Session
 
 from tracetrain.proxy.auth import AdminDep, CallerDep
+from tracetrain.proxy.console_protocol import SessionList, SessionSummary
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.store import queries
+from tracetrain.proxy.openapi import error_responses
+from tracetrain.store import console, queries
+from tracetrain.store.console import SessionFilter
 from tracetrain.store.export import iter_rows
 from tracetrain.store.models import AgentSessionPublic, CallPublic, RewardPublic
 from tracetrain.store.trajectory import session_trajectories
@@ -28,12 +32,37 @@ async def _owned(gw: Gateway, session_id: str, caller: Any) -> None:
         raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
 
 
-@router.get("/v1/sessions")
-async def list_sessions(request: Request, _: AdminDep, limit: int = Query(100, ge=1, le=1000),
-                        offset: int = Query(0, ge=0, le=2**62)) -> dict[str, Any]:
+@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(401))
+async def list_sessions(
+    request: Request, caller: CallerDep,
+    limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62),
+    status: Literal["open", "final"] | None = Query(None, description="`final` once a final reward arrived."),
+    reward_min: float | None = Query(None, allow_inf_nan=False), reward_max: float | None = Query(
+        None, allow_inf_nan=False, description="Bounds on the reward the trainer uses (sessions without one "
+        "match no bound)."),
+    group: str | None = Query(None, max_length=256), model: str | None = Query(None, max_length=256),
+    q: str | None = Query(None, min_length=1, max_length=256,
+                          description="Case-insensitive text in any stored message or reply of the session."),
+    excluded: bool | None = None, trained: bool | None = Query(None, description="Whether a trainer learned from it."),
+    sort: Literal["created", "updated", "reward", "calls", "tokens"] = "created",
+    order: Literal["asc", "desc"] = "desc",
+) -> SessionList:
+    """Sessions, newest first by default; an agent key sees only its own, the admin key every session."""
     gw: Gateway = request.app.state.gateway
-    rows = await gw.read(lambda db: queries.list_sessions(db, limit=limit, offset=offset))
-    return {"object": "list", "data": [AgentSessionPublic.model_validate(r).model_dump(mode="json") for r in rows]}
+    where = SessionFilter(owner=caller.owner, only_owner=not caller.admin, status=status, reward_min=reward_min,
+                          reward_max=reward_max, group_id=group, model=model, text=q, excluded=excluded,
+                          trained=trained)
+
+    def read(db: Session) -> SessionList:
+        rows, total = console.search_sessions(db, where=where, sort=sort, descending=order == "desc", limit=limit,
+                                              offset=offset)
+        spans = console.version_spans(db, session_ids=[r.id for r in rows])
+        data = [SessionSummary.model_validate(r, update=dict(zip(("policy_version_min", "policy_version_max"),
+                                                                 spans.get(r.id, (None, None)), strict=True)))
+                for r in rows]
+        return SessionList(data=data, total=total, has_more=offset + len(rows) < total, limit=limit, offset=offset)
+
+    return await gw.read(read)  # type: ignore[no-any-return]
 
 
 @router.get("/v1/sessions/{session_id}")

@@ -1,0 +1,280 @@
+"""The console's JSON API over real HTTP: an admin's corrections (exclude, include, reward override),
+audited with who and when, refused to agent keys and on bad input; the trainer honours them; the
+session list filters, sorts and pages, each key seeing its own sessions; capture quality."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from sqlmodel import Session
+
+from tests.support.recording import RecordingEngine
+from tests.support.servers import RunningGateway, start_gateway
+from tests.support.sessions import add_session
+from tracetrain.config import TrainConfig
+from tracetrain.engines.transformers_engine import TransformersEngine
+from tracetrain.proxy.auth import fingerprint
+from tracetrain.store import console, corrections, leases
+from tracetrain.store.codec import encode_floats, encode_ids
+from tracetrain.store.db import make_engine
+from tracetrain.store.models import AgentSession, Call
+from tracetrain.trainer.batch import BatchGatherer
+from tracetrain.trainer.data import load_samples
+from tracetrain.trainer.loop import Trainer
+
+MODEL = "tiny"
+ADMIN = {"Authorization": "Bearer admin"}
+AGENT_A = {"Authorization": "Bearer agent-a"}
+AGENT_B = {"Authorization": "Bearer agent-b"}
+
+
+@pytest.fixture
+def keyed(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'console.db'}",
+                            api_keys=["agent-a", "agent-b"], admin_key="admin")
+    yield running
+    running.stop()
+
+
+def _call(gw: RunningGateway, key: str, session: str, text: str = "hi", group: str | None = None) -> None:
+    OpenAI(base_url=gw.v1(session, group), api_key=key, max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2)
+
+
+def _get(gw: RunningGateway, path: str, headers: dict[str, str] | None = None, **params: Any) -> httpx.Response:
+    return httpx.get(gw.url + path, headers=headers, params=params, timeout=30)
+
+
+def _post(gw: RunningGateway, path: str, body: Any = None, headers: dict[str, str] | None = None,
+          content: str | None = None) -> httpx.Response:
+    if content is not None:
+        return httpx.post(gw.url + path, content=content, headers={**(headers or {}),
+                                                                   "Content-Type": "application/json"}, timeout=30)
+    return httpx.post(gw.url + path, json=body, headers=headers, timeout=30)
+
+
+def _error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert {"message", "type", "code", "param"} <= error.keys()
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_corrections_are_admin_only_validated_and_audited(keyed: RunningGateway) -> None:
+    _call(keyed, "agent-a", "c-1")
+    assert _post(keyed, "/v1/rewards", {"session_id": "c-1", "reward": 1.0, "final": True}, AGENT_A).status_code == 200
+    base = "/v1/sessions/c-1"
+    for path, body in (("exclude", {"note": "x"}), ("include", None), ("reward_override", {"reward": 0, "note": ""})):
+        _error(_post(keyed, f"{base}/{path}", body, AGENT_A), 403, "admin_required")
+    _error(_get(keyed, f"{base}/actions", AGENT_A), 403, "admin_required")
+    _error(_post(keyed, f"{base}/exclude", None), 401, "missing_api_key")
+    for path in ("exclude", "include"):
+        _error(_post(keyed, f"/v1/sessions/nope/{path}", None, ADMIN), 404, "session_not_found")
+    _error(_post(keyed, "/v1/sessions/nope/reward_override", {"reward": 1, "note": ""}, ADMIN), 404,
+           "session_not_found")
+    _error(_get(keyed, "/v1/sessions/nope/actions", ADMIN), 404, "session_not_found")
+
+    # bad input: 400 in OpenAI's shape, and nothing changes
+    for body in ({"reward": "abc", "note": ""}, {"reward": "0.5", "note": ""}, {"note": "no reward"},
+                 {"reward": 0.5}, {"reward": None, "note": ""}, {"reward": True, "note": ""},
+                 {"reward": 0.5, "note": "", "extra": 1}):
+        _error(_post(keyed, f"{base}/reward_override", body, ADMIN), 400)
+    for raw in ('{"reward": NaN, "note": ""}', '{"reward": Infinity, "note": ""}', '{"reward": 1e999, "note": ""}',
+                "{not json"):
+        _error(_post(keyed, f"{base}/reward_override", headers=ADMIN, content=raw), 400)
+    _error(_post(keyed, f"{base}/exclude", {"note": 5}, ADMIN), 400)
+    _error(_post(keyed, f"{base}/exclude", {"reason": "x"}, ADMIN), 400)
+    assert _get(keyed, f"{base}/actions", ADMIN).json() == {"object": "list", "data": []}
+    session = _get(keyed, base, AGENT_A).json()
+    assert (session["excluded"], session["reward"], session["reward_override"]) == (False, 1.0, None)
+
+    admin = fingerprint("admin")
+    excluded = _post(keyed, f"{base}/exclude", {"note": "reward hacking"}, ADMIN)
+    assert excluded.status_code == 200, excluded.text
+    assert excluded.json()["excluded"] is True and excluded.json()["action"]["actor"] == admin
+    assert _get(keyed, base, AGENT_A).json()["excluded"] is True, "the owner sees it was excluded"
+    overridden = _post(keyed, f"{base}/reward_override", {"reward": 0.25, "note": "judge was wrong"}, ADMIN).json()
+    assert (overridden["reward"], overridden["reward_override"]) == (0.25, 0.25)
+    included = _post(keyed, f"{base}/include", None, ADMIN).json()  # no body: no note
+    assert included["excluded"] is False and included["action"]["note"] == ""
+    # a reward posted after the override does not change the reward the trainer uses
+    assert _post(keyed, "/v1/rewards", {"session_id": "c-1", "reward": 5.0}, AGENT_A).status_code == 200
+    session = _get(keyed, base, ADMIN).json()
+    assert (session["reward"], session["reward_override"], session["reward_total"]) == (0.25, 0.25, 6.0)
+
+    actions = _get(keyed, f"{base}/actions", ADMIN).json()["data"]
+    assert [(a["action"], a["actor"], a["note"], a["old_value"], a["new_value"]) for a in actions] == [
+        ("exclude", admin, "reward hacking", {"excluded": False}, {"excluded": True}),
+        ("reward_override", admin, "judge was wrong", {"reward": 1.0, "reward_override": None},
+         {"reward": 0.25, "reward_override": 0.25}),
+        ("include", admin, "", {"excluded": True}, {"excluded": False}),
+    ]
+    assert all(a["session_id"] == "c-1" and a["created_at"] for a in actions)
+    assert actions[0]["created_at"] <= actions[1]["created_at"] <= actions[2]["created_at"]
+
+
+def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
+        gateway: RunningGateway, tiny_model_path: Path, tmp_path: Path) -> None:
+    rewards = {"a0": 1.0, "a1": 1.0, "b0": 0.0, "b1": 1.0, "b2": 1.0}
+    for sid, reward in rewards.items():
+        _call(gateway, "unused", sid, group=f"g-{sid[0]}")
+        assert _post(gateway, "/v1/rewards", {"session_id": sid, "reward": reward, "final": True}).status_code == 200
+    # g-a scored the same twice (no signal for a group baseline) until the admin corrects a1
+    assert _post(gateway, "/v1/sessions/a1/reward_override", {"reward": 0.0, "note": "wrong answer"}).status_code == 200
+    assert _post(gateway, "/v1/sessions/b2/exclude", {"note": "leaked the answer"}).status_code == 200
+    policies = _get(gateway, "/v1/policies").json()["sessions"]
+    assert policies == {"ready": 4, "set_aside": {"excluded": 1}}
+
+    engine = make_engine(gateway.gateway.config.db_url)
+    with Session(engine) as db:
+        by_session = {x.session_id: x.reward for x in load_samples(db, list(rewards))}
+    assert by_session == {"a0": 1.0, "a1": 0.0, "b0": 0.0, "b1": 1.0, "b2": 1.0}, "the override is the reward"
+    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
+    trainer = Trainer(cfg, engine, tiny_model_path)
+    assert trainer.step_once() and trainer.version == 1
+    assert trainer.counts["zero_variance"] == 0, "a1's override gave g-a a signal"
+    listed = _get(gateway, "/v1/policies").json()
+    figures = listed["data"][-1]["metrics"]
+    assert figures["sessions"] == 4 and figures["reward_mean"] == pytest.approx(0.5)
+    assert listed["sessions"] == {"ready": 0, "set_aside": {"excluded": 1}}
+    trained = {s["id"]: s["trained_version"] for s in _get(gateway, "/v1/sessions").json()["data"]}
+    assert trained == {"a0": 1, "a1": 1, "b0": 1, "b1": 1, "b2": None}
+    assert trainer.step_once() is False, "nothing else to train on: b2 stays out"
+
+    assert _post(gateway, "/v1/sessions/b2/include", {"note": "checked again"}).status_code == 200
+    assert _get(gateway, "/v1/policies").json()["sessions"] == {"ready": 1, "set_aside": {}}
+
+
+def test_excluded_sessions_are_never_claimed_on_either_store(db_url: str, tmp_path: Path) -> None:
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        for i in range(3):
+            add_session(db, f"s{i}", "g", float(i))
+        db.commit()
+        assert corrections.set_excluded(db, session_id="s1", excluded=True, actor="a" * 32, note="n") is not None
+        assert corrections.override_reward(db, session_id="s2", reward=-1.0, actor=None) is not None
+        assert corrections.set_excluded(db, session_id="missing", excluded=True, actor=None) is None
+        db.commit()
+        assert leases.ready_count(db) == 2
+        assert leases.set_aside_counts(db) == {"excluded": 1}
+        # offline consumers (SFT, DPO, export jobs) do not get it either
+        assert sorted(leases.claim_sessions(db, trainer_id="offline", limit=10, lease_s=-1)) == ["s0", "s2"]
+        assert sorted(leases.claim_groups(db, trainer_id="sft", want=10, lease_s=-1, min_version=None,
+                                          settle_s=0, include_set_aside=True)) == ["s0", "s2"]
+        assert [a.action for a in corrections.session_actions(db, session_id="s1")] == ["exclude"]
+    gatherer = BatchGatherer(TrainConfig(batch_sessions=4, min_sessions=1, checkpoint_dir=tmp_path), engine, "t")
+    batch = gatherer.gather(0)
+    assert batch is not None and sorted(batch.session_ids) == ["s0", "s2"]
+    assert sorted(x.reward for x in batch.samples) == [-1.0, 0.0]
+
+
+def test_the_session_list_filters_sorts_and_pages_per_key(keyed: RunningGateway) -> None:
+    for i in range(5):
+        _call(keyed, "agent-a", f"a-{i}", text=f"question {i}" + (" about the ZEBRA" if i % 2 else ""),
+              group="odd" if i % 2 else "even")
+        _post(keyed, "/v1/rewards", {"session_id": f"a-{i}", "reward": i / 4, "final": i < 4}, AGENT_A)
+    _call(keyed, "agent-a", "a-5", text="one more")  # open, no reward yet
+    _call(keyed, "agent-a", "a-5", text="and another")  # a new segment of the same session
+    _call(keyed, "agent-b", "b-0", text="zebra crossing")
+    assert _post(keyed, "/v1/sessions/a-3/exclude", None, ADMIN).status_code == 200
+
+    def ids(headers: dict[str, str], **params: Any) -> list[str]:
+        response = _get(keyed, "/v1/sessions", headers, **params)
+        assert response.status_code == 200, response.text
+        return [s["id"] for s in response.json()["data"]]
+
+    assert ids(AGENT_A) == ["a-5", "a-4", "a-3", "a-2", "a-1", "a-0"], "newest first, only agent-a's"
+    assert ids(AGENT_B) == ["b-0"]
+    assert set(ids(ADMIN)) == {"a-0", "a-1", "a-2", "a-3", "a-4", "a-5", "b-0"}
+    assert ids(AGENT_A, q="zebra") == ["a-3", "a-1"] and ids(ADMIN, q="Zebra") == ["b-0", "a-3", "a-1"]
+    assert ids(ADMIN, q="%") == [] and ids(ADMIN, q="_") == [], "wildcards are plain characters"
+    assert ids(AGENT_A, status="open") == ["a-5", "a-4"]
+    assert ids(AGENT_A, reward_min=0.25, reward_max=0.5) == ["a-2", "a-1"]
+    assert ids(AGENT_A, group="odd") == ["a-3", "a-1"]
+    assert ids(AGENT_A, model=MODEL) == ids(AGENT_A) and ids(AGENT_A, model="other") == []
+    assert ids(AGENT_A, excluded=True) == ["a-3"] and "a-3" not in ids(AGENT_A, excluded=False)
+    assert ids(AGENT_A, trained=True) == []
+    assert ids(AGENT_A, sort="reward", order="asc") == ["a-0", "a-1", "a-2", "a-3", "a-4", "a-5"], \
+        "no reward: last"
+    assert ids(AGENT_A, sort="calls")[0] == "a-5"
+    assert ids(AGENT_A, sort="tokens")[0] == "a-5"
+
+    page = _get(keyed, "/v1/sessions", AGENT_A, limit=4, offset=0, sort="created", order="asc").json()
+    assert [s["id"] for s in page["data"]] == ["a-0", "a-1", "a-2", "a-3"]
+    assert (page["total"], page["has_more"], page["limit"], page["offset"]) == (6, True, 4, 0)
+    rest = _get(keyed, "/v1/sessions", AGENT_A, limit=4, offset=4, sort="created", order="asc").json()
+    assert [s["id"] for s in rest["data"]] == ["a-4", "a-5"] and (rest["total"], rest["has_more"]) == (6, False)
+
+    row = next(s for s in page["data"] if s["id"] == "a-1")
+    # the fields the list always had, and the new ones
+    assert {"id", "group_id", "status", "created_at", "updated_at"} <= row.keys()
+    assert (row["group_id"], row["status"], row["reward"], row["model"], row["calls"]) == ("odd", "final", 0.25,
+                                                                                           MODEL, 1)
+    assert row["tokens"] > 0 and (row["policy_version_min"], row["policy_version_max"]) == (0, 0)
+    stored = _get(keyed, "/v1/sessions/a-5", AGENT_A).json()
+    assert len(stored["calls"]) == 2 == next(s for s in _get(keyed, "/v1/sessions", AGENT_A).json()["data"]
+                                             if s["id"] == "a-5")["calls"]
+
+    for params in ({"sort": "age"}, {"order": "up"}, {"status": "done"}, {"reward_min": "nan"},
+                   {"reward_max": "x"}, {"excluded": "maybe"}, {"limit": 0}, {"q": ""}):
+        _error(_get(keyed, "/v1/sessions", AGENT_A, **params), 400)
+
+
+def test_the_session_list_filters_on_either_store(db_url: str) -> None:
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        for i in range(4):
+            add_session(db, f"s{i}", f"g{i % 2}", float(i))
+        db.add(AgentSession(id="text", group_id="g1", model="tiny"))
+        db.add(Call(id="text-c", completion_id="chatcmpl-text", session_id="text", group_id="g1", link="start",
+                    model="tiny", state_hash="text", prompt_ids=encode_ids([1]), completion_ids=encode_ids([2]),
+                    completion_logprobs=encode_floats([-1.0]), response_message={"role": "assistant", "content": "ok"},
+                    messages=[{"role": "user", "content": "Où est le Zèbre? 100%"}]))
+        db.commit()
+    with Session(engine) as db:
+        page, total = console.search_sessions(db, where=console.SessionFilter(), sort="created", limit=2)
+        assert len(page) == 2 and total == 5
+        for text, found in (("zèbre", ["text"]), ("EST LE", ["text"]), ("100%", ["text"]), ("0%", ["text"]),
+                            ("1_0", []), ("%", ["text"]), ("le zebre", [])):
+            # case-insensitive (ASCII letters everywhere), wildcards taken literally
+            rows, total = console.search_sessions(db, where=console.SessionFilter(text=text))
+            assert [r.id for r in rows] == found and total == len(found), text
+        assert console.search_sessions(db, where=console.SessionFilter(group_id="g1", text="zzz"))[1] == 0
+        corrections.override_reward(db, session_id="s1", reward=9.0, actor=None)
+        db.commit()
+        top, _ = console.search_sessions(db, where=console.SessionFilter(reward_min=5), sort="reward")
+        assert [s.id for s in top] == ["s1"]
+        assert console.version_spans(db, session_ids=["s0", "text"]) == {"s0": (0, 0), "text": (0, 0)}
+
+
+def test_capture_stats_count_chained_calls_segment_starts_and_set_asides(keyed: RunningGateway) -> None:
+    client = OpenAI(base_url=keyed.v1("cap-1"), api_key="agent-a", max_retries=0)
+    history: list[Any] = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+    history += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                {"role": "user", "content": "go on"}]
+    client.chat.completions.create(model=MODEL, messages=history, max_tokens=2)  # extends
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "edited"}], max_tokens=2)
+    _call(keyed, "agent-b", f"cap-{uuid.uuid4().hex[:6]}")
+    assert _post(keyed, "/v1/rewards", {"session_id": "cap-1", "reward": 1, "final": True}, AGENT_A).status_code == 200
+    assert _post(keyed, "/v1/sessions/cap-1/exclude", None, ADMIN).status_code == 200
+
+    _error(_get(keyed, "/v1/stats/capture", AGENT_A), 403, "admin_required")
+    stats = _get(keyed, "/v1/stats/capture", ADMIN).json()
+    assert stats["object"] == "capture_stats"
+    by_owner = {row["owner"]: row for row in stats["data"]}
+    a, b = by_owner[fingerprint("agent-a")], by_owner[fingerprint("agent-b")]
+    assert (a["model"], a["calls"], a["chained"], a["chained_share"]) == (MODEL, 3, 1, 0.5)
+    assert a["segment_starts"] == {"start": 1, "prefix_changed": 1} and a["set_aside"] == {"excluded": 1}
+    assert (b["calls"], b["chained"], b["chained_share"], b["segment_starts"]) == (1, 0, None, {"start": 1})
+    total = stats["total"]
+    assert (total["calls"], total["chained"], total["chained_share"]) == (4, 1, 0.5)
+    assert total["segment_starts"] == {"prefix_changed": 1, "start": 2} and total["set_aside"] == {"excluded": 1}

@@ -1,0 +1,95 @@
+"""Request and response models of the console's JSON API: the session list, an admin's corrections to
+a session (exclude, include, reward override) and their audit trail, and capture quality."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tracetrain.store.models import AgentSessionPublic, SessionActionPublic
+
+MAX_NOTE = 4000
+
+
+class NoteRequest(BaseModel):
+    """Optional body of exclude and include: why."""
+
+    model_config = ConfigDict(extra="forbid")
+    note: str = Field(default="", max_length=MAX_NOTE)
+
+
+class RewardOverrideRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: Annotated[float, Field(strict=True)]
+    """The reward the trainer uses for this session from now on, in place of the posted ones."""
+    note: str = Field(max_length=MAX_NOTE)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("reward must be a finite number (no NaN or infinity)")
+        return value
+
+
+class CorrectionResponse(BaseModel):
+    """The session's state after an admin's action, and the action as stored."""
+
+    session_id: str
+    excluded: bool
+    reward: float | None
+    """The reward the trainer uses: the override if set, else the sum of the posted rewards."""
+    reward_override: float | None
+    trained_version: int | None
+    """Set when a trainer already learned from the session (before this action): a correction changes
+    only what is trained from now on."""
+    action: SessionActionPublic
+
+
+class ActionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionActionPublic]
+
+
+class SessionSummary(AgentSessionPublic):
+    """A row of the session list."""
+
+    policy_version_min: int | None = None
+    """Oldest policy version among the session's calls (None: no calls)."""
+    policy_version_max: int | None = None
+
+
+class SessionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionSummary]
+    total: int
+    """Sessions matching the filters, on every page."""
+    has_more: bool
+    limit: int
+    offset: int
+
+
+class CaptureRow(BaseModel):
+    model: str | None
+    owner: str | None
+    """Fingerprint of the API key (None: a gateway without keys)."""
+    calls: int
+    chained: int
+    """Calls that extended their session's token chain (or branched off it), token for token."""
+    chained_share: float | None
+    """`chained` over the calls that had an earlier call to extend (not a session's first)."""
+    segment_starts: dict[str, int]
+    """Calls that began a new token segment, by reason (`start`, `prefix_changed`, ...)."""
+    set_aside: dict[str, int]
+    """Finished sessions the trainer did not consume, by reason (`stale`, `zero_variance`, `no_samples`,
+    `excluded`)."""
+
+
+class CaptureStats(BaseModel):
+    object: Literal["capture_stats"] = "capture_stats"
+    total: CaptureRow
+    """Every model and key together."""
+    data: list[CaptureRow]
+    """Per model and API key owner."""

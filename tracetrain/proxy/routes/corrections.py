@@ -1,0 +1,85 @@
+"""An admin's corrections to a session, which the trainer honours: exclude it from training, include it
+again, override its reward with a note; and the audit trail of them (who, by key fingerprint, and when)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Request
+from sqlmodel import Session
+
+from tracetrain.proxy.auth import AdminDep, Caller
+from tracetrain.proxy.console_protocol import ActionList, CorrectionResponse, NoteRequest, RewardOverrideRequest
+from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
+from tracetrain.store import corrections
+from tracetrain.store.models import AgentSession, SessionAction, SessionActionPublic
+
+router = APIRouter(responses=error_responses(401, 403, 404))
+
+Change = Callable[[Session], tuple[AgentSession, SessionAction] | None]
+
+
+def _missing(session_id: str) -> APIError:
+    return APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
+
+
+async def _apply(request: Request, session_id: str, change: Change) -> CorrectionResponse:
+    gw: Gateway = request.app.state.gateway
+    if await gw.session_info(session_id) is None:
+        raise _missing(session_id)
+
+    def write(db: Session) -> CorrectionResponse | None:
+        done = change(db)
+        if done is None:
+            return None
+        session, action = done
+        return CorrectionResponse(session_id=session.id, excluded=session.excluded, reward=session.reward,
+                                  reward_override=session.reward_override, trained_version=session.trained_version,
+                                  action=SessionActionPublic.model_validate(action))
+
+    result: CorrectionResponse | None = await gw.writer.submit(write)
+    if result is None:
+        raise _missing(session_id)
+    return result
+
+
+async def _exclusion(request: Request, session_id: str, caller: Caller, body: NoteRequest | None,
+                     excluded: bool) -> CorrectionResponse:
+    note = body.note if body is not None else ""
+    return await _apply(request, session_id, lambda db: corrections.set_excluded(
+        db, session_id=session_id, excluded=excluded, actor=caller.owner, note=note))
+
+
+@router.post("/v1/sessions/{session_id}/exclude", response_model=CorrectionResponse)
+async def exclude(request: Request, session_id: str, caller: AdminDep,
+                  body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
+    """Keep the session out of training (online and offline) until it is included again."""
+    return await _exclusion(request, session_id, caller, body, True)
+
+
+@router.post("/v1/sessions/{session_id}/include", response_model=CorrectionResponse)
+async def include(request: Request, session_id: str, caller: AdminDep,
+                  body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
+    """Let an excluded session be trained on again."""
+    return await _exclusion(request, session_id, caller, body, False)
+
+
+@router.post("/v1/sessions/{session_id}/reward_override", response_model=CorrectionResponse)
+async def reward_override(request: Request, session_id: str, body: RewardOverrideRequest,
+                          caller: AdminDep) -> CorrectionResponse:
+    """Make `reward` the session's reward for training, in place of every posted reward."""
+    return await _apply(request, session_id, lambda db: corrections.override_reward(
+        db, session_id=session_id, reward=body.reward, actor=caller.owner, note=body.note))
+
+
+@router.get("/v1/sessions/{session_id}/actions", response_model=ActionList)
+async def actions(request: Request, session_id: str, _: AdminDep) -> ActionList:
+    """Every correction made to the session, oldest first."""
+    gw: Gateway = request.app.state.gateway
+    if await gw.session_info(session_id) is None:
+        raise _missing(session_id)
+    rows = await gw.read(lambda db: corrections.session_actions(db, session_id=session_id))
+    return ActionList(data=[SessionActionPublic.model_validate(r) for r in rows])

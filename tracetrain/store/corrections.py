@@ -1,0 +1,55 @@
+"""An admin's corrections to a session: keep it out of training (and let it back in), override its
+reward. Each one changes the session row and adds a `SessionAction` in the same transaction, so the
+audit trail and what the trainer sees never disagree."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from tracetrain.store.models import AgentSession, SessionAction
+
+
+def _record(db: Session, session: AgentSession, *, action: str, actor: str | None, note: str,
+            old: dict[str, Any], new: dict[str, Any]) -> SessionAction:
+    entry = SessionAction(session_id=session.id, action=action, actor=actor, note=note, old_value=old, new_value=new)
+    db.add(session)
+    db.add(entry)
+    db.flush()
+    return entry
+
+
+def set_excluded(db: Session, *, session_id: str, excluded: bool, actor: str | None, note: str = "",
+                 ) -> tuple[AgentSession, SessionAction] | None:
+    """Exclude the session from training, or include it again; None if it does not exist. A session a
+    trainer already learned from keeps its `trained_version`: exclusion only stops future claims."""
+    session = db.get(AgentSession, session_id, with_for_update=True)
+    if session is None:
+        return None
+    old = {"excluded": session.excluded}
+    session.excluded = excluded
+    entry = _record(db, session, action="exclude" if excluded else "include", actor=actor, note=note,
+                    old=old, new={"excluded": excluded})
+    return session, entry
+
+
+def override_reward(db: Session, *, session_id: str, reward: float, actor: str | None, note: str = "",
+                    ) -> tuple[AgentSession, SessionAction] | None:
+    """Make `reward` the session's reward for training, in place of its posted rewards; None if the
+    session does not exist. Reward events posted later do not change it."""
+    session = db.get(AgentSession, session_id, with_for_update=True)
+    if session is None:
+        return None
+    old = {"reward": session.reward, "reward_override": session.reward_override}
+    session.reward_override = session.reward = reward
+    entry = _record(db, session, action="reward_override", actor=actor, note=note, old=old,
+                    new={"reward": reward, "reward_override": reward})
+    return session, entry
+
+
+def session_actions(db: Session, *, session_id: str) -> Sequence[SessionAction]:
+    """The session's corrections, oldest first."""
+    query = select(SessionAction).where(SessionAction.session_id == session_id).order_by(col(SessionAction.id))
+    return db.exec(query).all()

@@ -3,10 +3,9 @@ a session (exclude, include, reward override) and their audit trail, and capture
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from tracetrain.store.models import AgentSessionPublic, SessionActionPublic
 
@@ -22,16 +21,9 @@ class NoteRequest(BaseModel):
 
 class RewardOverrideRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: Annotated[float, Field(strict=True)]
+    reward: Annotated[float, Field(strict=True, allow_inf_nan=False)]
     """The reward the trainer uses for this session from now on, in place of the posted ones."""
     note: str = Field(max_length=MAX_NOTE)
-
-    @field_validator("reward")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("reward must be a finite number (no NaN or infinity)")
-        return value
 
 
 class CorrectionResponse(BaseModel):

@@ -43,8 +43,10 @@ def test_claims_take_whole_groups_freshest_first(db_url: str) -> None:
             _add(db, f"new-{i}", "g-new", float(i), version=3, age_s=40)
             _add(db, f"mid-{i}", "g-mid", float(i), version=2, age_s=1)  # finished last, sampled earlier
         db.commit()
+        assert (leases.ready_count(db), leases.leased_count(db)) == (6, 0)
         assert sorted(leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=None,
                                           settle_s=30)) == ["mid-0", "mid-1", "new-0", "new-1"]
+        assert (leases.ready_count(db), leases.leased_count(db)) == (2, 4)  # claimed for a step in progress
         # the staleness floor keeps older samples out of a claim altogether
         assert leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=2, settle_s=30) == []
         assert sorted(leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=1,

@@ -131,7 +131,7 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
     assert _post(gateway, "/v1/sessions/a1/reward_override", {"reward": 0.0, "note": "wrong answer"}).status_code == 200
     assert _post(gateway, "/v1/sessions/b2/exclude", {"note": "leaked the answer"}).status_code == 200
     policies = _get(gateway, "/v1/policies").json()["sessions"]
-    assert policies == {"ready": 4, "set_aside": {"excluded": 1}}
+    assert policies == {"ready": 4, "leased": 0, "set_aside": {"excluded": 1}}
 
     engine = make_engine(gateway.gateway.config.db_url)
     with Session(engine) as db:
@@ -144,13 +144,13 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
     listed = _get(gateway, "/v1/policies").json()
     figures = listed["data"][-1]["metrics"]
     assert figures["sessions"] == 4 and figures["reward_mean"] == pytest.approx(0.5)
-    assert listed["sessions"] == {"ready": 0, "set_aside": {"excluded": 1}}
+    assert listed["sessions"] == {"ready": 0, "leased": 0, "set_aside": {"excluded": 1}}
     trained = {s["id"]: s["trained_version"] for s in _get(gateway, "/v1/sessions").json()["data"]}
     assert trained == {"a0": 1, "a1": 1, "b0": 1, "b1": 1, "b2": None}
     assert trainer.step_once() is False, "nothing else to train on: b2 stays out"
 
     assert _post(gateway, "/v1/sessions/b2/include", {"note": "checked again"}).status_code == 200
-    assert _get(gateway, "/v1/policies").json()["sessions"] == {"ready": 1, "set_aside": {}}
+    assert _get(gateway, "/v1/policies").json()["sessions"] == {"ready": 1, "leased": 0, "set_aside": {}}
 
 
 def test_excluded_sessions_are_never_claimed_on_either_store(db_url: str, tmp_path: Path) -> None:

@@ -192,3 +192,9 @@ def ready_count(db: Session) -> int:
     """Ready sessions no trainer has claimed yet."""
     query = select(func.count()).select_from(AgentSession).where(_unused(), _lease_free(utcnow()))
     return int(db.exec(query).one())
+
+
+def leased_count(db: Session) -> int:
+    """Ready sessions a trainer has claimed for a step that has not finished (its lease still runs)."""
+    query = select(func.count()).select_from(AgentSession).where(_unused(), col(AgentSession.lease_until) >= utcnow())
+    return int(db.exec(query).one())

@@ -36,13 +36,15 @@ class PublishRequest(BaseModel):
 async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
 
-    def read(db: Session) -> tuple[Sequence[Policy], int, dict[str, int]]:
-        return queries.list_policies(db), leases.ready_count(db), leases.set_aside_counts(db)
+    def read(db: Session) -> tuple[Sequence[Policy], int, int, dict[str, int]]:
+        return (queries.list_policies(db), leases.ready_count(db), leases.leased_count(db),
+                leases.set_aside_counts(db))
 
-    rows, ready, set_aside = await gw.read(read)
+    rows, ready, leased, set_aside = await gw.read(read)
     return {"object": "list", "served_version": gw.engine.version,
-            # Sessions waiting for the trainer, and those it left in the store unconsumed, by reason.
-            "sessions": {"ready": ready, "set_aside": set_aside},
+            # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
+            # store unconsumed, by reason.
+            "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 

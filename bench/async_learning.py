@@ -14,7 +14,9 @@ Arms (tracetrain + vLLM, the demo's engine and agent, groups of 8, temperature 1
 Metrics, fixed before any run: time to held-out reward `THRESHOLD` (the learning-speed bench's 0.55, on
 the same 96 test sums), held-out reward at `AT_MINUTES`, versions per minute, and the share of the
 episodes the agent finished that a step learned from (`trained share`; the issue's target: 90% with
-admission), with the rest by reason (stale, zero-variance, still ready or running at the end).
+admission), with the rest by reason (stale, zero-variance, still ready or running at the end). With
+`--drain-s`, the share is also measured after a drain: agents stopped at the budget, the trainer goes on
+until fewer than a batch is ready, so the work in flight at the cutoff is counted by its real fate.
 
 For seed k the arms run in an order rotated by k, one at a time, each with its own wall-clock budget
 counted from before its processes start.
@@ -77,7 +79,8 @@ def run_arm(arm: str, seed: int, order: int, args: argparse.Namespace) -> ArmRun
     lr = float(train.get("lr", TrainConfig().lr))
     spec = RunSpec(arm, seed, lr, args.minutes, args.eval_every, args.eval_size, "test", order)
     load = os.getloadavg()[0]
-    run = run_gateway(spec, arm, config, port, out, clock)
+    batch = int(train.get("batch_sessions", TrainConfig().batch_sessions))
+    run = run_gateway(spec, arm, config, port, out, clock, drain_s=args.drain_s, batch_sessions=batch)
     run.load = load
     return run
 
@@ -86,11 +89,18 @@ def trained_share(run: ArmRun) -> float:
     return run.trained_sessions / run.episodes if run.episodes else 0.0
 
 
+def drained_share(run: ArmRun) -> float | None:
+    if run.trained_after_drain is None or not run.episodes:
+        return None
+    return run.trained_after_drain / run.episodes
+
+
 def summary(runs: list[ArmRun], arms: list[str], threshold: float) -> ResultTable:
     table = ResultTable("per arm: mean (min-max) over seeds",
                         ["arm", "seeds", f"min to {threshold:g}", "reached",
                          *[f"held-out @{m:g} min" for m in AT_MINUTES], "final held-out", "versions/min",
-                         "episodes", "trained share", "set aside (stale / zero-var.)", "staleness 0/1/2+ %"])
+                         "episodes", "trained share", "after drain", "set aside (stale / zero-var.)",
+                         "staleness 0/1/2+ %"])
     for arm in arms:
         mine = [r for r in runs if r.arm == arm]
         if not mine:
@@ -111,12 +121,13 @@ def summary(runs: list[ArmRun], arms: list[str], threshold: float) -> ResultTabl
         total = sum(ages.values()) or 1
         # not reached counts as the budget in the mean, as in the learning-speed bench
         reach = [(t if t is not None else r.budget_s) / 60 for t, r in zip(times, mine, strict=True)]
+        drained = [100 * d for r in mine if (d := drained_share(r)) is not None]
         table.add(arm, len(mine), cell(reach, ".2f"),
                   f"{sum(t is not None for t in times)}/{len(mine)}",
                   *[cell([reward_at(r, m * 60) for r in mine]) for m in AT_MINUTES],
                   cell([r.points[-1].reward for r in mine]), cell([steps_per_minute(r) for r in mine], ".2f"),
                   cell([float(r.episodes) for r in mine], ".0f"), cell([100 * trained_share(r) for r in mine], ".1f")
-                  + " %", f"{stale:.0f} / {flat:.0f}",
+                  + " %", cell(drained, ".1f") + " %" if drained else "-", f"{stale:.0f} / {flat:.0f}",
                   " / ".join(f"{100 * ages.get(k, 0) / total:.0f}" for k in ("0", "1", "2+")))
     return table
 
@@ -124,13 +135,16 @@ def summary(runs: list[ArmRun], arms: list[str], threshold: float) -> ResultTabl
 def runs_table(runs: list[ArmRun], threshold: float) -> ResultTable:
     table = ResultTable("every run (order: position among its seed's arms, 0 = first)",
                         ["arm", "seed", "order", "load avg", "start-up s", "versions", f"min to {threshold:g}",
-                         "first eval", "final eval", "episodes", "trained", "set aside", "samples/step"])
+                         "first eval", "final eval", "episodes", "trained", "set aside", "samples/step",
+                         "drain s", "trained after drain", "set aside after", "ready after"])
     for r in sorted(runs, key=lambda r: (r.seed, r.order)):
         reached = time_to(r, threshold)
         table.add(r.arm, r.seed, r.order, f"{r.load:.1f}", f"{r.startup_s:.0f}", r.steps,
                   f"{reached / 60:.2f}" if reached is not None else "not reached", f"{r.points[0].reward:.3f}",
                   f"{r.points[-1].reward:.3f}", r.episodes, r.trained_sessions, json.dumps(r.set_aside),
-                  f"{r.samples_per_step:.1f}" if r.samples_per_step else "-")
+                  f"{r.samples_per_step:.1f}" if r.samples_per_step else "-",
+                  *((f"{r.drain_s:.0f}", r.trained_after_drain, json.dumps(r.set_aside_after_drain),
+                     r.ready_after_drain) if r.drain_s is not None else ("-", "-", "-", "-")))
     return table
 
 
@@ -161,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock budget per run, start-up included")
     parser.add_argument("--eval-every", type=float, default=90.0)
     parser.add_argument("--eval-size", type=int, default=len(arithmetic.TEST))
+    parser.add_argument("--drain-s", type=float, default=0.0,
+                        help="after the budget, let the trainer consume what the stopped agents finished, up to this "
+                             "long (0: no drain)")
     parser.add_argument("--output", default="async_learning")
     parser.add_argument("--from-json", action="store_true", help="re-render the report from its JSON only")
     args = parser.parse_args(argv)
@@ -178,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 except (Exception, SystemExit) as exc:  # one broken run must not lose the others; reported
                     console.log(f"[red]{arm} seed {seed} failed: {exc}")
                     failed.append(f"{arm} seed {seed}: {type(exc).__name__}: {str(exc)[:300]}")
-        raw = {"failed": failed, "args": vars(args), "machine": machine_line(), "command": " ".join(sys.argv),
+        command = " ".join(["python -m bench.async_learning", *sys.argv[1:]])
+        raw = {"failed": failed, "args": vars(args), "machine": machine_line(), "command": command,
                "threshold": THRESHOLD, "arms": {a: {"train": t, "gateway": g} for a, (t, g) in ARMS.items()},
                "runs": [asdict(r) for r in runs]}
         raw_path.write_text(json.dumps(raw, indent=1))
@@ -188,6 +206,10 @@ def main(argv: list[str] | None = None) -> None:
              f"construction), greedy, every {args.eval_every:g} s",
              "trained share = sessions a step learned from / episodes the agent finished; the rest is set aside in the "
              "store by reason (stale, zero_variance, no_samples) or still ready/running when the budget ended",
+             "after drain (runs with --drain-s): the same share once the trainer, with the agents stopped at the "
+             "budget, took what they had finished: until the ready and claimed sessions made less than a batch for "
+             "10 s, or the drain's limit; every figure before this column is measured at the budget, before the "
+             "drain",
              f"arms' settings: {json.dumps(raw['arms'])}",
              *[f"FAILED run, not in the tables: {f}" for f in raw.get("failed", [])]]
     write_results(args.output, "Sync vs async learning, with and without admission", raw.get("command", ""),

@@ -49,6 +49,7 @@ from bench.apis import APIS, Api, Turn
 from bench.client import Connection, HTTPFailure
 from bench.common import (
     OUT_DIR,
+    REPO_ROOT,
     ResultTable,
     ServerProcess,
     console,
@@ -793,7 +794,7 @@ def main(argv: list[str] | None = None) -> None:
     if gateway_env:
         notes.append(f"gateway environment: {gateway_env}")
     if folded is not None:
-        notes.append(f"py-spy was attached (timings skewed); folded stacks: {folded}")
+        notes.append(f"py-spy was attached (timings skewed); folded stacks: {folded.relative_to(REPO_ROOT)}")
     name = args.output or "gateway_overhead" + ("_vllm" if vllm else "") + (
         "_profile" if args.profile else ""
     )

@@ -204,9 +204,12 @@ def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     return run_gateway(spec, arm.label, config, port, out, clock)
 
 
-def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: Callable[[], float]) -> ArmRun:
+def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: Callable[[], float],
+                drain_s: float = 0.0, batch_sessions: int = 32) -> ArmRun:
     """`serve --train` with `config` on `port`, the demo agent for the rest of the budget, held-out
-    evaluations every `spec.eval_every` s; the run's evaluations, steps and what the trainer used."""
+    evaluations every `spec.eval_every` s; the run's evaluations, steps and what the trainer used.
+    With `drain_s`, after the budget (and its figures) the trainer may go on for up to that long,
+    with the agents stopped, until fewer than `batch_sessions` are ready: see `drain`."""
     budget = spec.minutes * 60
     url = f"http://127.0.0.1:{port}"
     log, episodes_log = out / "gateway.log", out / "episodes.jsonl"
@@ -267,6 +270,8 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         for p in policies:
             for age, n in (p.get("metrics") or {}).get("staleness", {}).items():
                 run.staleness[age] = run.staleness.get(age, 0) + int(n)
+        if drain_s > 0:
+            drain(url, run, clock, drain_s, batch_sessions)
         run.total_s = clock()
         return run
     finally:
@@ -274,6 +279,30 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
             agent.terminate()
             agent.wait()
         _stop(gateway)
+
+
+def drain(url: str, run: ArmRun, clock: Callable[[], float], limit_s: float, batch_sessions: int) -> None:
+    """With the agents stopped, let the trainer consume what they finished: wait until the ready
+    sessions and those claimed by a step (a step in progress, or one waiting to fill its batch) make
+    less than a batch, for 10 s running (a group's last members may still be settling), or `limit_s`.
+    The episodes a step learns from now were generated within the budget, so `trained_after_drain /
+    episodes` is the share of generated work the trainer used."""
+    started, idle_since = clock(), None
+    while clock() - started < limit_s:
+        sessions = _policies(url).get("sessions", {})
+        idle = int(sessions.get("ready", 0)) + int(sessions.get("leased", 0)) < batch_sessions
+        idle_since = (idle_since or clock()) if idle else None
+        if idle_since is not None and clock() - idle_since >= 10:
+            break
+        time.sleep(2)
+    listing = _policies(url)
+    run.drain_s = clock() - started
+    run.trained_after_drain = sum(int(p["metrics"].get("sessions", 0))
+                                  for p in listing.get("data", []) if p.get("metrics"))
+    run.set_aside_after_drain = listing.get("sessions", {}).get("set_aside", {})
+    run.ready_after_drain = int(listing.get("sessions", {}).get("ready", 0))
+    console.print(f"  drained {run.drain_s:.0f}s: trained on {run.trained_after_drain} of {run.episodes} episodes, "
+                  f"{run.ready_after_drain} still ready, set aside {run.set_aside_after_drain}")
 
 
 def _tracetrain_optimizer() -> str:

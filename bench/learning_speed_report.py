@@ -70,6 +70,13 @@ class ArmRun:
     """tracetrain: sessions its trainer left unconsumed in the store, by reason."""
     staleness: dict[str, int] = field(default_factory=dict)
     """tracetrain: samples trained on, by how many versions behind the trainer they were."""
+    drain_s: float | None = None
+    """tracetrain with a drain: how long the trainer went on after the budget, agents stopped."""
+    trained_after_drain: int | None = None
+    """Sessions learned from once the drain ended (all generated within the budget)."""
+    set_aside_after_drain: dict[str, int] = field(default_factory=dict)
+    ready_after_drain: int | None = None
+    """Finished sessions still unused after the drain (fewer than a batch)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArmRun:

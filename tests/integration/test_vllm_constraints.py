@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -93,3 +94,28 @@ def test_response_format_json_schema_is_enforced(vllm_gateway: RunningGateway) -
         max_tokens=32, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     parsed = json.loads(reply.choices[0].message.content or "")
     assert set(parsed) == {"answer"} and isinstance(parsed["answer"], int)
+
+
+def test_the_responses_and_messages_apis_enforce_forced_calls_and_schemas_too(vllm_gateway: RunningGateway) -> None:
+    model = vllm_gateway.gateway.config.served_model_name
+    add = ADD["function"]
+    responses = _client(vllm_gateway, "forced-responses").responses
+    named = responses.create(model=model, input=QUESTION[0]["content"], temperature=1.0, max_output_tokens=48,
+                             tools=[{"type": "function", **add}], tool_choice={"type": "function", "name": "add"})
+    (call,) = [item for item in named.output if item.type == "function_call"]
+    assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    formatted = responses.create(model=model, input=QUESTION[0]["content"], temperature=1.0, max_output_tokens=32,
+                                 text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert isinstance(json.loads(formatted.output_text)["answer"], int)
+
+    messages = anthropic.Anthropic(base_url=f"{vllm_gateway.url}/s/forced-messages", api_key="unused")
+    with messages.messages.stream(model=model, max_tokens=48, messages=QUESTION, tool_choice={"type": "any"},
+                                  tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                         for t in (ADD, LOOKUP)]) as stream:
+        final = stream.get_final_message()
+    (use,) = [block for block in final.content if block.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and use.name in ("add", "lookup")
+    assert set(use.input) == ({"a", "b"} if use.name == "add" else {"word"})

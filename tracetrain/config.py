@@ -223,6 +223,9 @@ class Config(BaseSettings):
     """Agent keys: each may create sessions and read or reward its own."""
     admin_key: str | None = None
     """Key for listing, export and weight endpoints (and every session)."""
+    metrics_key: Literal["none", "any", "admin"] = "none"
+    """Who may read `/metrics`: anyone (`none`, for a scraper on a private network), any configured key
+    (`any`), or the admin key only (`admin`). Scrapers send the key as `Authorization: Bearer`."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Requests with a larger body are refused with 413."""
     chat_template: Path | None = None

@@ -240,3 +240,24 @@ def test_anthropic_clients_authenticate_with_x_api_key(keyed: RunningGateway) ->
     assert wrong.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     with pytest.raises(anthropic.PermissionDeniedError):  # the session belongs to agent-a
         client("agent-b").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(("setting", "allowed"), [
+    ("none", {"no key": 200, "agent": 200, "admin": 200}),
+    ("any", {"no key": 401, "agent": 200, "admin": 200}),
+    ("admin", {"no key": 401, "agent": 403, "admin": 200}),
+])
+def test_metrics_are_as_open_as_the_metrics_key_setting(tiny_engine: TransformersEngine, tiny_model_path: Path,
+                                                        tmp_path: Path, setting: str, allowed: dict[str, int]) -> None:
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}",
+                            api_keys=["agent-a"], admin_key="admin", metrics_key=setting)
+    try:
+        for who, headers in (("no key", {}), ("agent", AGENT_A), ("admin", ADMIN)):
+            response = httpx.get(f"{running.url}/metrics", headers=headers, timeout=30)
+            assert response.status_code == allowed[who], (setting, who, response.text)
+            if response.status_code == 200:
+                assert "tracetrain_requests_total" in response.text
+            else:
+                assert response.json()["error"]["code"] in ("missing_api_key", "admin_required")
+    finally:
+        running.stop()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tracetrain.proxy.auth import CallerDep
+from tracetrain.proxy.auth import CallerDep, get_admin, get_caller
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
 
 router = APIRouter()
 
@@ -20,7 +21,18 @@ async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok", "policy_version": gw.engine.version, "store_queue_depth": gw.writer.queue_depth}
 
 
-@router.get("/metrics")
+def metrics_access(request: Request) -> None:
+    """`/metrics` as open as `metrics_key` allows: counters reveal traffic, so a gateway on a shared
+    network may want them behind a key."""
+    gw: Gateway = request.app.state.gateway
+    if gw.config.metrics_key == "none":
+        return
+    caller = get_caller(request)
+    if gw.config.metrics_key == "admin":
+        get_admin(caller)
+
+
+@router.get("/metrics", dependencies=[Depends(metrics_access)], responses=error_responses(401, 403))
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

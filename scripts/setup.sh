@@ -4,6 +4,7 @@
 #   .venv-vllm  vLLM for CPU in its own environment (it pins a newer transformers); skip with
 #               TRACETRAIN_SKIP_VLLM=1
 #   PostgreSQL  server binaries for the store tests, when missing and we are root
+#   chromium    Debian's browser for the console's browser test, when missing and we are root
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,6 +39,15 @@ if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
   else
     log "PostgreSQL is not installed: its store tests will be skipped"
+  fi
+fi
+
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing chromium (the console's browser test drives it; Playwright downloads no browser)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    log "chromium is not installed: the console's browser test will be skipped"
   fi
 fi
 

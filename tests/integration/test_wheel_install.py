@@ -199,6 +199,11 @@ def test_installed_serve_answers_a_chat_completion(served: str) -> None:
     assert choices[0]["message"]["role"] == "assistant"
 
 
+def test_installed_serve_serves_the_console(served: str) -> None:
+    for path in ("/ui/", "/ui/console.js", "/ui/vendor/uPlot.iife.min.js"):
+        assert httpx.get(f"{served}{path}", timeout=30).status_code == 200, path
+
+
 @pytest.mark.parametrize(("command", "flag"), [("demo", "--seed"), ("export", "--format")])
 def test_installed_cli_help(fresh_venv: FreshVenv, command: str, flag: str) -> None:
     result = fresh_venv.run(fresh_venv.tracetrain, command, "--help")

@@ -9,3 +9,6 @@ VLLM_MISSING = "vLLM is not installed: run scripts/setup.sh (it creates .venv-vl
 POSTGRES_MISSING = ("PostgreSQL binaries (initdb, pg_ctl) are not installed: "
                     "scripts/setup.sh installs them with apt-get when run as root")
 SETUPTOOLS_MISSING = "setuptools is missing: scripts/setup.sh installs it into .venv (the dev extra)"
+CHROMIUM_MISSING = ("chromium is not installed: scripts/setup.sh installs Debian's chromium with apt-get when run "
+                    "as root (the console's browser test drives it through Playwright)")
+PLAYWRIGHT_MISSING = "playwright is missing: scripts/setup.sh installs it into .venv (the dev extra)"

@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tracetrain.proxy.console_ui import mount_console
 from tracetrain.proxy.errors import BodyTooLarge, error_for_path, install_error_handlers
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import install_openapi
 from tracetrain.proxy.routes import (
     chat,
     completions,
+    console,
     corrections,
     generation,
     messages,
@@ -73,7 +75,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     install_error_handlers(app)
     install_openapi(app)
     for module in (chat, messages, responses, completions, rewards, sessions, corrections, stats, system, policies,
-                   replicas, generation):
+                   replicas, generation, console):
         app.include_router(module.router)
+    mount_console(app)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
     return app

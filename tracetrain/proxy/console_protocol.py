@@ -1,8 +1,10 @@
-"""Request and response models of the console's JSON API: the session list, an admin's corrections to
-a session (exclude, include, reward override) and their audit trail, and capture quality."""
+"""Request and response models of the console's JSON API: who the caller is, the overview, the session
+list, an admin's corrections to a session (exclude, include, reward override) and their audit trail,
+and capture quality."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -85,3 +87,67 @@ class CaptureStats(BaseModel):
     """Every model and key together."""
     data: list[CaptureRow]
     """Per model and API key owner."""
+
+
+class WhoAmI(BaseModel):
+    """Who the caller is, as the gateway sees its key: what the console shows depends on it."""
+
+    owner: str | None
+    """Fingerprint of the caller's key (None: a gateway without keys)."""
+    admin: bool
+    keys_required: bool
+    """False on a gateway without keys (loopback only): every caller is an anonymous admin."""
+
+
+class TrafficCounters(BaseModel):
+    """Counters since this gateway process started (its Prometheus metrics): a client takes the rate
+    between two readings and their `time`."""
+
+    requests: int
+    """Generation requests answered, every status."""
+    failed_requests: int
+    """Those answered with an error status."""
+    prompt_tokens: int
+    completion_tokens: int
+    sessions_created: int
+    rewards: int
+    """Reward events stored."""
+
+
+class TrainerState(BaseModel):
+    state: Literal["held", "stepping", "waiting"]
+    """`held`: new generations wait at the gate (a `sync`-mode training step or a weight reload);
+    `stepping`: a trainer has claimed sessions for a step it is gathering or training; `waiting`: no
+    claim runs, `ready` sessions wait for a trainer."""
+    ready: int
+    """Finished sessions no trainer has claimed yet."""
+    leased: int
+    """Sessions claimed for a step in progress."""
+    holders: list[str]
+    """Who holds new generations now (`train`, `publish`, `remote:<trainer>`)."""
+    last_step_at: datetime | None
+    """When the newest trained version was recorded (None: none yet)."""
+
+
+class LastPublish(BaseModel):
+    version: int
+    published_at: datetime | None
+    """None when it failed (see `error`)."""
+    seconds: float | None
+    """How long handing the checkpoint to the engine took."""
+    error: str | None
+
+
+class Overview(BaseModel):
+    object: Literal["overview"] = "overview"
+    time: float
+    """The gateway's clock (Unix seconds) when the counters were read."""
+    counters: TrafficCounters
+    store_queue_depth: int
+    """Writes waiting for the group-commit writer."""
+    served_version: int
+    sessions: dict[str, int]
+    """Stored sessions by status (`open`, `final`)."""
+    trainer: TrainerState
+    last_publish: LastPublish | None
+    """The newest trained version's publish (None: no version trained yet)."""

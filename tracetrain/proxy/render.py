@@ -156,3 +156,7 @@ class ChatRenderer:
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (a character split across tokens shows as U+FFFD in each part)."""
+        return [str(text) for text in self.tokenizer.batch_decode([[t] for t in token_ids])]

@@ -120,3 +120,9 @@ def capture_stats(db: Session) -> dict[str, list[dict[str, Any]]]:
         rows.append({"model": s_model, "owner": s_owner, "calls": 0, "chained": 0, "chained_share": None,
                      "segment_starts": {}, "set_aside": reasons})
     return {"data": rows}
+
+
+def status_counts(db: Session) -> dict[str, int]:
+    """Sessions by status (`open`, `final`)."""
+    query = select(AgentSession.status, func.count()).group_by(col(AgentSession.status))
+    return {str(status): int(n) for status, n in db.exec(query).all()}

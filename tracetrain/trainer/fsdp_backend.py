@@ -83,7 +83,8 @@ class FSDPBackend:
             futures.append(worker.step.remote([samples[i] for i in chosen], [advantages[i] for i in chosen],
                                               BatchShare(tokens, len(samples), self.cfg.workers, passes, live)))
         results = ray.get(futures)
-        summed = {k: sum(r[k] for r in results) for k in ("loss", "kl", "entropy", "is_weight", "trained_tokens")}
+        summed = {k: sum(r[k] for r in results) for k in ("loss", "kl", "entropy", "is_weight", "trained_tokens",
+                                                          "clip_fraction") if all(k in r for r in results)}
         slowest = max(r["step_seconds"] for r in results)
         return {**summed, "grad_norm": results[0]["grad_norm"], "step_seconds": slowest,
                 "tokens_per_second": sum(r["tokens_per_second"] * r["step_seconds"] for r in results) / slowest,

@@ -8,6 +8,7 @@ and figures, which sessions each version consumed or skipped and why) or in the 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -110,7 +111,8 @@ class Trainer:
         self.counts["steps"] += 1
         self.counts["samples"] += len(samples)
         # Running totals first, so that this step's own figures (its `samples` above all) win.
-        return {**self.counts, "samples_total": self.counts["samples"], **figures,
+        spread = {"advantage_std": statistics.pstdev(advantages)} if advantages else {}
+        return {**self.counts, "samples_total": self.counts["samples"], **figures, **spread,
                 "reward_mean": sum(rewards) / len(rewards), "samples": len(samples),
                 "behaviour_versions": sorted({x.oldest_version for x in samples})}
 

@@ -116,6 +116,8 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
     model.train()
     old = [sequence_logprobs(model, mb)[0].detach() for mb in micro_batches] if cfg.ppo_epochs > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0}
+    clipped: float | None = None
+    """Share of sampled tokens whose importance ratio the policy loss clipped (when the loss reports it)."""
     for _epoch in range(cfg.ppo_epochs):
         for k, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             logprobs, entropies = sequence_logprobs(model, mb, entropy=cfg.entropy_coef > 0)
@@ -123,8 +125,11 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
             advantages = torch.tensor([inputs.advantages[i] for i in mb.indices], device=device).unsqueeze(1) * mb.mask
             is_weights = truncated_is_weights(old_logprobs, mb.behaviour_logprobs, mb.mask, cfg.tis_cap) \
                 if cfg.tis_cap else None
-            loss, _ = verl_ops.policy_loss(cfg.policy_loss, old_logprobs, logprobs, advantages, mb.mask, config,
-                                           is_weights)
+            loss, loss_figures = verl_ops.policy_loss(cfg.policy_loss, old_logprobs, logprobs, advantages, mb.mask,
+                                                      config, is_weights)
+            if "actor/pg_clipfrac" in loss_figures:
+                clipped = (clipped or 0.0) + weight * float(loss_figures["actor/pg_clipfrac"]) * float(mb.mask.sum()) \
+                    / max(share.num_tokens, 1) / cfg.ppo_epochs
             if cfg.kl_coef > 0 and reference is not None:
                 with torch.no_grad():
                     ref_logprobs, _ = sequence_logprobs(reference, mb)
@@ -146,6 +151,8 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
     elapsed = time.perf_counter() - started
     total_tokens = sum(int(mb.attention_mask.sum()) for mb, w in zip(micro_batches, weights, strict=True) if w) \
         * cfg.ppo_epochs
+    if clipped is not None:
+        totals["clip_fraction"] = clipped
     return {**totals, "grad_norm": float(_full(grad_norm)), "trained_tokens": num_tokens if share.live else 0,
             "step_seconds": elapsed, "tokens_per_second": total_tokens / elapsed, "micro_batches": len(micro_batches)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -85,7 +86,11 @@ async def get_session(request: Request, session_id: str, caller: CallerDep) -> d
 
 
 @router.get("/v1/sessions/{session_id}/trajectory")
-async def get_trajectory(request: Request, session_id: str, caller: CallerDep) -> dict[str, Any]:
+async def get_trajectory(
+    request: Request, session_id: str, caller: CallerDep,
+    text: bool = Query(False, description="Add `token_texts` to each segment: every token's own text, "
+                       "decoded by the gateway's tokenizer."),
+) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     await _owned(gw, session_id, caller)
 
@@ -98,7 +103,13 @@ async def get_trajectory(request: Request, session_id: str, caller: CallerDep) -
             "rewards": [RewardPublic.model_validate(r).model_dump(mode="json") for r in rewards],
         }
 
-    return await gw.read(read)  # type: ignore[no-any-return]
+    found: dict[str, Any] = await gw.read(read)
+    if text:
+        segments = [seg for trajectory in found["trajectories"] for seg in trajectory["segments"]]
+        texts = await asyncio.to_thread(lambda: [gw.renderer.token_texts(seg["token_ids"]) for seg in segments])
+        for seg, seg_texts in zip(segments, texts, strict=True):
+            seg["token_texts"] = seg_texts
+    return found
 
 
 @router.get("/v1/export")

@@ -1,0 +1,574 @@
+// The tracetrain console: plain JavaScript over the gateway's documented JSON API, no build step.
+// Every page is drawn from API answers only; the key kept in a cookie goes out as `Authorization: Bearer`.
+"use strict";
+
+const COOKIE = "tt_console_key";
+const state = { key: null, me: null, timer: null, view: null, lastOverview: null };
+
+// ---------- small helpers ----------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else if (name === "class") node.className = value;
+    else node.setAttribute(name, value === true ? "" : value);
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function fmt(value, digits = 3) {
+  if (value === null || value === undefined) return "—";
+  if (typeof value === "number") return Number.isInteger(value) ? String(value) : value.toFixed(digits);
+  return String(value);
+}
+
+function age(iso) {
+  if (!iso) return "—";
+  const seconds = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+  if (seconds < 60) return `${Math.round(seconds)} s`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)} min`;
+  if (seconds < 86400) return `${(seconds / 3600).toFixed(1)} h`;
+  return `${(seconds / 86400).toFixed(1)} d`;
+}
+
+function when(iso) {
+  return iso ? new Date(iso).toLocaleString() : "—";
+}
+
+function counts(dict) {
+  const entries = Object.entries(dict || {}).filter(([, v]) => v !== 0);
+  return entries.length ? entries.map(([k, v]) => `${k}: ${v}`).join(", ") : "—";
+}
+
+// A finite number, written as one: "1", "-0.5", "2e-3". Anything else (text, NaN, Infinity) is refused.
+function parseReward(text) {
+  const trimmed = String(text).trim();
+  if (!/^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(trimmed)) return null;
+  const value = Number(trimmed);
+  return Number.isFinite(value) ? value : null;
+}
+
+// ---------- the API ----------
+
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function api(path, options = {}) {
+  const headers = { Accept: "application/json" };
+  if (state.key) headers.Authorization = `Bearer ${state.key}`;
+  if (options.body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, {
+    method: options.method || "GET", headers,
+    body: options.body === undefined ? undefined : JSON.stringify(options.body),
+  });
+  const data = await response.json().catch(() => null);
+  if (!response.ok) {
+    const message = data && data.error ? data.error.message : `${response.status} ${response.statusText}`;
+    if (response.status === 401 && !options.login) showLogin(message);
+    throw new ApiError(response.status, message);
+  }
+  return data;
+}
+
+function query(params) {
+  const search = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) if (v !== "" && v !== null && v !== undefined) search.set(k, v);
+  const text = search.toString();
+  return text ? `?${text}` : "";
+}
+
+// ---------- login ----------
+
+function readCookie() {
+  const found = document.cookie.split("; ").find((c) => c.startsWith(`${COOKIE}=`));
+  return found ? decodeURIComponent(found.slice(COOKIE.length + 1)) : null;
+}
+
+function writeCookie(key) {
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = key === null
+    ? `${COOKIE}=; Path=/ui; Max-Age=0; SameSite=Strict`
+    : `${COOKIE}=${encodeURIComponent(key)}; Path=/ui; Max-Age=${30 * 86400}; SameSite=Strict${secure}`;
+}
+
+function showLogin(message) {
+  stopTimer();
+  state.me = null;
+  document.getElementById("nav").hidden = true;
+  document.getElementById("logout").hidden = true;
+  document.getElementById("who").textContent = "";
+  document.getElementById("view").replaceChildren();
+  document.getElementById("login").hidden = false;
+  document.getElementById("login-error").textContent = message && state.key ? message : "";
+  document.getElementById("login-key").focus();
+}
+
+async function identify() {
+  state.me = await api("/v1/whoami", { login: true });
+  document.getElementById("login").hidden = true;
+  document.getElementById("nav").hidden = false;
+  for (const link of document.querySelectorAll("#nav [data-admin]")) link.hidden = !state.me.admin;
+  const who = state.me.keys_required ? `${state.me.admin ? "admin" : "agent key"} ${state.me.owner.slice(0, 8)}`
+    : "no keys (loopback)";
+  document.getElementById("who").textContent = who;
+  document.getElementById("logout").hidden = !state.me.keys_required;
+}
+
+async function start() {
+  state.key = readCookie();
+  try {
+    await identify();  // a gateway without keys answers without one: no login page
+  } catch (error) {
+    showLogin(error.message);
+    return;
+  }
+  route();
+}
+
+document.getElementById("login-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  state.key = document.getElementById("login-key").value.trim();
+  try {
+    await identify();
+  } catch (error) {
+    document.getElementById("login-error").textContent = error.message;
+    return;
+  }
+  writeCookie(state.key);
+  document.getElementById("login-key").value = "";
+  route();
+});
+
+document.getElementById("logout").addEventListener("click", () => {
+  writeCookie(null);
+  state.key = null;
+  showLogin("");
+});
+
+// ---------- routing and live refresh ----------
+
+function stopTimer() {
+  if (state.timer) clearInterval(state.timer);
+  state.timer = null;
+}
+
+function live(refresh, seconds) {
+  stopTimer();
+  const tick = () => refresh().catch((error) => showError(error));
+  tick();
+  state.timer = setInterval(tick, seconds * 1000);
+}
+
+function showError(error) {
+  const box = document.getElementById("view-error");
+  if (box) box.textContent = error.message;
+}
+
+function route() {
+  if (!state.me) return;
+  const hash = location.hash.replace(/^#\/?/, "");
+  const [path, search] = hash.split("?");
+  const params = new URLSearchParams(search || "");
+  const parts = path.split("/");
+  const page = parts[0] || (state.me.admin ? "overview" : "sessions");
+  for (const link of document.querySelectorAll("#nav a")) {
+    link.classList.toggle("active", link.getAttribute("href") === `#/${page === "session" ? "sessions" : page}`);
+  }
+  stopTimer();
+  const view = document.getElementById("view");
+  view.replaceChildren(el("p", { id: "view-error", class: "error", role: "alert" }));
+  const pages = { overview: overviewPage, sessions: sessionsPage, session: sessionPage, policies: policiesPage,
+                  capture: capturePage };
+  const draw = pages[page] || sessionsPage;
+  draw(view, page === "session" ? decodeURIComponent(parts.slice(1).join("/")) : params);
+}
+
+window.addEventListener("hashchange", route);
+
+// ---------- overview ----------
+
+function card(label, value, sub, id) {
+  return el("div", { class: "card", id },
+    el("div", { class: "label" }, label), el("div", { class: "value" }, value), el("div", { class: "sub" }, sub || ""));
+}
+
+function overviewPage(view) {
+  state.lastOverview = null;  // rates only between readings taken while this page is open
+  const cards = el("div", { class: "cards" });
+  view.append(el("h1", {}, "Overview"), cards,
+    el("p", { class: "muted" }, "Rates are measured between two readings of this gateway process's counters."));
+  live(async () => {
+    const now = await api("/v1/overview");
+    const before = state.lastOverview;
+    state.lastOverview = now;
+    const rate = (field) => {
+      if (!before || now.time <= before.time) return "—";
+      return ((field(now) - field(before)) / (now.time - before.time)).toFixed(2);
+    };
+    const c = now.counters;
+    const trainer = now.trainer;
+    const publish = now.last_publish;
+    cards.replaceChildren(
+      card("requests/s", rate((o) => o.counters.requests), `${c.requests} answered, ${c.failed_requests} failed`),
+      card("tokens/s", rate((o) => o.counters.prompt_tokens + o.counters.completion_tokens),
+        `${c.prompt_tokens} prompt, ${c.completion_tokens} sampled`),
+      card("sessions open", fmt(now.sessions.open), `${c.sessions_created} created by this process`),
+      card("sessions finished", fmt(now.sessions.final)),
+      card("rewards received", fmt(c.rewards), "reward events since start"),
+      card("store queue depth", fmt(now.store_queue_depth)),
+      card("serving policy", `v${now.served_version}`),
+      card("trainer", trainer.state, `${trainer.ready} ready, ${trainer.leased} claimed` +
+        (trainer.holders.length ? `; held by ${trainer.holders.join(", ")}` : "") +
+        (trainer.last_step_at ? `; last step ${age(trainer.last_step_at)} ago` : ""), "trainer-state"),
+      card("last publish", publish ? `v${publish.version}` : "—",
+        !publish ? "no version trained yet" : publish.error ? `failed: ${publish.error}`
+          : publish.published_at ? `took ${fmt(publish.seconds, 2)} s, ${age(publish.published_at)} ago`
+            : "not published"),
+    );
+  }, 2);
+}
+
+// ---------- sessions ----------
+
+const PAGE = 50;
+
+function sessionsPage(view, params) {
+  const value = (name) => params.get(name) || "";
+  const field = (label, name, attrs = {}) =>
+    el("label", {}, label, el("input", { name, value: value(name), ...attrs }));
+  const choice = (label, name, options) => el("label", {}, label, el("select", { name },
+    options.map(([v, text]) => el("option", { value: v, selected: value(name) === v }, text))));
+  const form = el("form", { class: "filters", id: "filters" },
+    choice("status", "status", [["", "any"], ["open", "open"], ["final", "finished"]]),
+    field("reward ≥", "reward_min", { size: 6 }), field("reward ≤", "reward_max", { size: 6 }),
+    field("group", "group", { size: 12 }), field("model", "model", { size: 12 }),
+    field("text in messages", "q", { size: 18, type: "search" }),
+    choice("excluded", "excluded", [["", "any"], ["true", "excluded"], ["false", "not excluded"]]),
+    el("button", { type: "submit" }, "Apply"));
+  const table = el("table", { id: "sessions" });
+  const pager = el("div", { class: "pager" });
+  view.append(el("h1", {}, "Sessions"), form, pager, table);
+
+  const sort = params.get("sort") || "created";
+  const order = params.get("order") || "desc";
+  const offset = Number(params.get("offset") || 0);
+  const go = (changes) => {
+    const next = new URLSearchParams(params);
+    for (const [k, v] of Object.entries(changes)) if (v === "" || v === null) next.delete(k); else next.set(k, v);
+    location.hash = `#/sessions?${next}`;
+  };
+
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const data = new FormData(form);
+    for (const bound of ["reward_min", "reward_max"]) {
+      const text = String(data.get(bound)).trim();
+      if (text !== "" && parseReward(text) === null) {
+        showError(new Error(`${bound.replace("_", " ")}: "${text}" is not a finite number.`));
+        return;
+      }
+    }
+    const changes = { offset: "" };
+    for (const [k, v] of data.entries()) changes[k] = String(v).trim();
+    go(changes);
+  });
+
+  const header = (label, key, cls) => {
+    if (!key) return el("th", { class: cls }, label);
+    const arrow = sort === key ? (order === "desc" ? " ▼" : " ▲") : "";
+    return el("th", { class: `sortable ${cls || ""}`, "data-sort": key,
+      onclick: () => go({ sort: key, order: sort === key && order === "desc" ? "asc" : "desc", offset: "" }) },
+    label + arrow);
+  };
+
+  live(async () => {
+    const filters = {};
+    for (const name of ["status", "reward_min", "reward_max", "group", "model", "q", "excluded"]) {
+      filters[name] = value(name);
+    }
+    const page = await api(`/v1/sessions${query({ ...filters, sort, order, limit: PAGE, offset })}`);
+    table.replaceChildren(
+      el("thead", {}, el("tr", {}, header("session"), header("status"), header("reward", "reward", "num"),
+        header("group"), header("calls", "calls", "num"), header("tokens", "tokens", "num"), header("versions"),
+        header("training"), header("age", "created"), header("updated", "updated"))),
+      el("tbody", {}, page.data.map((s) => el("tr", { "data-id": s.id },
+        el("td", {}, el("a", { href: `#/session/${encodeURIComponent(s.id)}` }, s.id)),
+        el("td", {}, s.status === "final" ? "finished" : "open"),
+        el("td", { class: "num" }, fmt(s.reward), s.reward_override !== null ? el("span", { class: "badge warn",
+          title: "overridden by an admin" }, " override") : ""),
+        el("td", {}, s.group_id),
+        el("td", { class: "num" }, s.calls), el("td", { class: "num" }, s.tokens),
+        el("td", {}, s.policy_version_min === null ? "—" : s.policy_version_min === s.policy_version_max
+          ? `v${s.policy_version_min}` : `v${s.policy_version_min}–v${s.policy_version_max}`),
+        el("td", {}, s.excluded ? el("span", { class: "badge bad" }, "excluded")
+          : s.trained_version !== null ? `trained in v${s.trained_version}`
+            : s.skip_reason ? el("span", { class: "badge warn" }, `set aside: ${s.skip_reason}`) : ""),
+        el("td", {}, age(s.created_at)), el("td", {}, age(s.updated_at)),
+      ))),
+    );
+    const last = offset + page.data.length;
+    pager.replaceChildren(
+      el("button", { type: "button", disabled: offset === 0,
+        onclick: () => go({ offset: Math.max(0, offset - PAGE) || "" }) }, "◀ previous"),
+      el("span", { id: "page-info" }, page.total ? `${offset + 1}–${last} of ${page.total}` : "no sessions match"),
+      el("button", { type: "button", disabled: !page.has_more, onclick: () => go({ offset: offset + PAGE }) },
+        "next ▶"),
+    );
+  }, 5);
+}
+
+// ---------- one session ----------
+
+function heat(logprob) {
+  // Probability of the sampled token: green when the policy was sure, red when it was a long shot.
+  const p = Math.exp(logprob);
+  return `hsla(${Math.round(120 * p)}, 75%, 55%, 0.35)`;
+}
+
+function tokensView(segment) {
+  const box = el("div", { class: "tokens" });
+  let version = null;
+  const texts = segment.token_texts || segment.token_ids.map((id) => `[${id}]`);
+  for (let i = 0; i < segment.token_ids.length; i += 1) {
+    const sampled = segment.loss_mask[i] === 1;
+    if (sampled && segment.policy_versions[i] !== version) {
+      version = segment.policy_versions[i];
+      box.append(el("span", { class: "ver", title: `sampled by policy version ${version}` }, `v${version}`));
+    }
+    const title = sampled
+      ? `sampled · logprob ${segment.logprobs[i].toFixed(3)} · p ${Math.exp(segment.logprobs[i]).toFixed(3)} · ` +
+        `v${segment.policy_versions[i]} · id ${segment.token_ids[i]}`
+      : `prompt · id ${segment.token_ids[i]}`;
+    const token = el("span", { class: `tok ${sampled ? "sampled" : "prompt"}`, title }, texts[i]);
+    if (sampled) token.style.background = heat(segment.logprobs[i]);
+    box.append(token);
+  }
+  return box;
+}
+
+function versionSpans(segment) {
+  const spans = [];
+  segment.policy_versions.forEach((v, i) => {
+    if (segment.loss_mask[i] !== 1) return;
+    const last = spans[spans.length - 1];
+    if (last && last.version === v) last.count += 1; else spans.push({ version: v, count: 1 });
+  });
+  return spans.map((s) => `v${s.version} × ${s.count}`).join(" → ") || "no sampled tokens";
+}
+
+function callTree(calls) {
+  const children = new Map();
+  for (const call of calls) {
+    const parent = call.parent_id || "";
+    if (!children.has(parent)) children.set(parent, []);
+    children.get(parent).push(call);
+  }
+  const known = new Set(calls.map((c) => c.id));
+  const item = (call) => {
+    const message = call.response_message || {};
+    const tools = (message.tool_calls || []).map((t) => el("div", { class: "tool" },
+      `→ ${t.function.name}(${t.function.arguments})`));
+    const reason = ["extend", "branch"].includes(call.link) ? call.link : `new segment: ${call.link}`;
+    return el("li", { "data-call": call.id },
+      el("strong", {}, `#${call.seq}${call.choice_index ? `.${call.choice_index}` : ""} `),
+      el("span", { class: `badge ${call.link === "extend" ? "" : "warn"}` }, reason), " ",
+      el("span", { class: "muted" }, `v${call.policy_version} · ${call.prompt_tokens} prompt / ` +
+        `${call.completion_tokens} sampled · ${call.finish_reason || "?"} · ${Math.round(call.latency_ms)} ms`),
+      message.content ? el("div", {}, String(message.content).slice(0, 300)) : "",
+      tools,
+      (children.get(call.id) || []).length ? el("ul", {}, children.get(call.id).map(item)) : "");
+  };
+  const roots = calls.filter((c) => !c.parent_id || !known.has(c.parent_id));
+  return el("ul", { class: "tree", id: "call-tree" }, roots.map(item));
+}
+
+function change(old, now) {
+  return Object.keys(now).map((k) => `${k.replace("_", " ")} ${fmt(old[k])} → ${fmt(now[k])}`).join(", ");
+}
+
+function timeline(rewards, actions) {
+  const events = [
+    ...rewards.map((r) => ({ at: r.created_at, node: el("li", { class: "reward" },
+      el("strong", {}, `reward ${fmt(r.value)}`), r.final ? " (final)" : "",
+      r.call_id ? ` on call ${r.call_id}` : "", r.components ? ` ${counts(r.components)}` : "",
+      el("span", { class: "muted" }, ` · ${when(r.created_at)}`)) })),
+    ...actions.map((a) => ({ at: a.created_at, node: el("li", { class: "action" },
+      el("strong", {}, a.action.replace("_", " ")), `: ${change(a.old_value, a.new_value)}`,
+      a.note ? ` — “${a.note}”` : "",
+      el("span", { class: "muted" }, ` · by ${a.actor ? a.actor.slice(0, 8) : "anonymous"} · ${when(a.created_at)}`)) })),
+  ].sort((x, y) => Date.parse(x.at) - Date.parse(y.at));
+  return events.length ? el("ol", { class: "timeline", id: "timeline" }, events.map((e) => e.node))
+    : el("p", { class: "muted", id: "timeline" }, "No rewards yet.");
+}
+
+function actionsPanel(session, reload, notice) {
+  const message = el("p", { id: "action-error", class: "error", role: "alert" });
+  const done = el("p", { id: "action-ok", class: "ok" }, notice || "");
+  const reward = el("input", { id: "override-reward", inputmode: "decimal", size: 8, placeholder: "e.g. 0.5" });
+  const note = el("input", { id: "action-note", size: 40, maxlength: 4000, placeholder: "why" });
+  const run = async (path, body) => {
+    message.textContent = "";
+    done.textContent = "";
+    try {
+      await api(`/v1/sessions/${encodeURIComponent(session.id)}/${path}`, { method: "POST", body });
+    } catch (error) {
+      message.textContent = error.message;
+      return;
+    }
+    await reload(`Saved: ${path.replace("_", " ")}.`);
+  };
+  const override = (event) => {
+    event.preventDefault();
+    const value = parseReward(reward.value);
+    if (value === null) {
+      message.textContent = `The reward must be a finite number, not "${reward.value}".`;
+      done.textContent = "";
+      return;
+    }
+    run("reward_override", { reward: value, note: note.value });
+  };
+  const toggle = session.excluded
+    ? el("button", { type: "button", id: "include", onclick: () => run("include", { note: note.value }) },
+      "Include in training")
+    : el("button", { type: "button", id: "exclude", onclick: () => run("exclude", { note: note.value }) },
+      "Exclude from training");
+  return el("div", { class: "panel", id: "actions" }, el("h2", {}, "Actions"),
+    el("form", { class: "actions", onsubmit: override },
+      el("label", {}, "reward", reward), el("label", {}, "note", note),
+      el("button", { type: "submit", id: "override" }, "Override reward"), toggle),
+    message, done);
+}
+
+function sessionPage(view, id) {
+  const body = el("div", {});
+  view.append(el("p", {}, el("a", { href: "#/sessions" }, "← sessions")), el("h1", {}, `Session ${id}`), body);
+  const base = `/v1/sessions/${encodeURIComponent(id)}`;
+  const load = async (notice) => {
+    const [session, trajectory, actions] = await Promise.all([
+      api(base), api(`${base}/trajectory?text=true`),
+      state.me.admin ? api(`${base}/actions`).then((a) => a.data) : Promise.resolve([]),
+    ]);
+    const facts = [
+      ["status", session.status === "final" ? "finished" : "open"],
+      ["reward (for training)", fmt(session.reward)],
+      ["posted rewards, summed", fmt(session.reward_total)],
+      ["override", session.reward_override === null ? "—" : fmt(session.reward_override)],
+      ["training", session.excluded ? "excluded" : session.trained_version !== null
+        ? `trained in v${session.trained_version}` : session.skip_reason ? `set aside: ${session.skip_reason}` : "not yet"],
+      ["group", session.group_id], ["model", session.model || "—"], ["calls", session.calls.length],
+      ["tokens", session.tokens], ["created", when(session.created_at)], ["updated", when(session.updated_at)],
+    ];
+    const segments = trajectory.trajectories.map((t, ti) => el("div", { class: "panel" },
+      el("h2", {}, `Trajectory ${ti + 1} (to call ${t.leaf_call_id})`),
+      t.segments.map((s, si) => el("div", { class: "segment" },
+        el("p", {}, el("strong", {}, `Segment ${si + 1}`), " started by ",
+          el("span", { class: "badge warn" }, s.reason), el("span", { class: "muted" },
+            ` · ${s.token_ids.length} tokens, ${s.loss_mask.filter((m) => m === 1).length} sampled · ` +
+            `versions: ${versionSpans(s)}`)),
+        tokensView(s))),
+    ));
+    body.replaceChildren(
+      el("div", { class: "panel" }, el("dl", { class: "kv", id: "facts" },
+        facts.map(([k, v]) => [el("dt", {}, k), el("dd", { "data-fact": k }, v)]))),
+      state.me.admin ? actionsPanel(session, load, notice) : "",
+      el("div", { class: "panel" }, el("h2", {}, "Rewards and corrections"), timeline(session.rewards, actions)),
+      el("div", { class: "panel" }, el("h2", {}, "Calls"), callTree(session.calls)),
+      el("p", { class: "legend" }, "Sampled tokens are outlined and coloured by the policy's probability: ",
+        el("span", { class: "swatch", style: `background:${heat(Math.log(0.02))}` }), "unlikely",
+        el("span", { class: "swatch", style: `background:${heat(0)}` }), "certain",
+        "; prompt tokens are grey; ", el("span", { class: "ver" }, "vN"), " marks the policy version that sampled."),
+      ...segments,
+    );
+  };
+  load().catch(showError);
+}
+
+// ---------- policies ----------
+
+function chart(target, title, xs, ys, timeAxis) {
+  target.replaceChildren();
+  if (xs.length === 0) {
+    target.append(el("p", { class: "muted" }, `${title}: no trained versions yet.`));
+    return;
+  }
+  const width = Math.min(620, Math.max(320, (target.parentElement.clientWidth || 1200) / 2 - 40));
+  // eslint-disable-next-line no-undef
+  new uPlot({
+    title, width, height: 260,
+    scales: { x: { time: timeAxis } },
+    axes: [timeAxis ? { label: "time" } : { label: "policy version", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500] },
+      { label: "reward mean" }],
+    series: [{ label: timeAxis ? "time" : "version" },
+      { label: "reward mean", stroke: "#2f6fde", width: 2, points: { show: true, size: 6 } }],
+  }, [xs, ys], target);
+}
+
+function policiesPage(view) {
+  const summary = el("p", { id: "policy-sessions" });
+  const byVersion = el("div", { class: "chart", id: "chart-version" });
+  const byTime = el("div", { class: "chart", id: "chart-time" });
+  const table = el("table", { id: "policies" });
+  view.append(el("h1", {}, "Policies"), summary, el("div", { class: "charts" }, byVersion, byTime),
+    el("h2", {}, "Versions"), table);
+  let drawn = -1;
+  live(async () => {
+    const listed = await api("/v1/policies");
+    const s = listed.sessions;
+    summary.textContent = `Serving v${listed.served_version}. Sessions ready for the trainer: ${s.ready}; ` +
+      `claimed by a step: ${s.leased}; set aside: ${counts(s.set_aside)}.`;
+    const trained = listed.data.filter((p) => p.version > 0 && p.metrics.reward_mean !== undefined);
+    if (trained.length !== drawn) {  // redraw only when a version appeared
+      drawn = trained.length;
+      chart(byVersion, "Reward against policy version", trained.map((p) => p.version),
+        trained.map((p) => p.metrics.reward_mean), false);
+      chart(byTime, "Reward against time", trained.map((p) => Date.parse(p.created_at) / 1000),
+        trained.map((p) => p.metrics.reward_mean), true);
+    }
+    const m = (p, name, digits) => el("td", { class: "num" }, fmt(p.metrics[name], digits));
+    table.replaceChildren(
+      el("thead", {}, el("tr", {}, ["version", "created", "kind", "reward mean", "advantage spread", "loss", "KL",
+        "entropy", "clip fraction", "samples", "set aside", "staleness", "publish s", "published"]
+        .map((h) => el("th", {}, h)))),
+      el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version },
+        el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
+        m(p, "reward_mean"), m(p, "advantage_std"), m(p, "loss", 4), m(p, "kl", 4), m(p, "entropy"),
+        m(p, "clip_fraction"), m(p, "samples"),
+        el("td", {}, counts(p.metrics.set_aside)), el("td", {}, counts(p.metrics.staleness)),
+        m(p, "publish_seconds", 2),
+        el("td", {}, p.publish_error ? el("span", { class: "badge bad", title: p.publish_error }, "failed")
+          : p.published_at ? when(p.published_at) : "—"),
+      ))),
+    );
+  }, 5);
+}
+
+// ---------- capture quality ----------
+
+function capturePage(view) {
+  const table = el("table", { id: "capture" });
+  view.append(el("h1", {}, "Capture quality"),
+    el("p", { class: "muted" }, "Calls that extended their session's token chain exactly, why new segments " +
+      "began, and finished sessions the trainer left unconsumed, per model and API key."), table);
+  live(async () => {
+    const stats = await api("/v1/stats/capture");
+    const row = (r, label) => el("tr", {},
+      el("td", {}, label || r.model || "—"), el("td", {}, label ? "" : r.owner ? r.owner.slice(0, 8) : "no key"),
+      el("td", { class: "num" }, r.calls), el("td", { class: "num" }, r.chained),
+      el("td", { class: "num" }, r.chained_share === null ? "—" : `${(100 * r.chained_share).toFixed(1)} %`),
+      el("td", {}, counts(r.segment_starts)), el("td", {}, counts(r.set_aside)));
+    table.replaceChildren(
+      el("thead", {}, el("tr", {}, ["model", "key", "calls", "chained", "chained share", "segment starts",
+        "set aside"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, stats.data.map((r) => row(r)), row(stats.total, "all")),
+    );
+  }, 5);
+}
+
+start();

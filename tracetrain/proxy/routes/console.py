@@ -1,0 +1,64 @@
+"""The console's own JSON: who the caller is (`/v1/whoami`), and the overview of the gateway, its store
+and the trainer (`/v1/overview`, admin). The console pages read only documented endpoints like these."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from prometheus_client import Counter
+from sqlmodel import Session
+
+from tracetrain.proxy.auth import AdminDep, CallerDep
+from tracetrain.proxy.console_protocol import LastPublish, Overview, TrafficCounters, TrainerState, WhoAmI
+from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
+from tracetrain.store import console, leases
+
+router = APIRouter()
+
+
+@router.get("/v1/whoami", response_model=WhoAmI, responses=error_responses(401))
+async def whoami(request: Request, caller: CallerDep) -> WhoAmI:
+    """The caller's key fingerprint and whether it is the admin key."""
+    gw: Gateway = request.app.state.gateway
+    return WhoAmI(owner=caller.owner, admin=caller.admin, keys_required=not gw.keys.open)
+
+
+def _count(counter: Counter, **labels: str) -> int:
+    """A counter's total over every label set that matches `labels`."""
+    return int(sum(sample.value for metric in counter.collect() for sample in metric.samples
+                   if sample.name.endswith("_total") and all(sample.labels.get(k) == v for k, v in labels.items())))
+
+
+def _counters(gw: Gateway) -> TrafficCounters:
+    m = gw.metrics
+    requests = _count(m.requests)
+    return TrafficCounters(requests=requests, failed_requests=requests - _count(m.requests, status="200"),
+                           prompt_tokens=_count(m.tokens, kind="prompt"),
+                           completion_tokens=_count(m.tokens, kind="completion"),
+                           sessions_created=_count(m.sessions), rewards=_count(m.rewards))
+
+
+@router.get("/v1/overview", response_model=Overview, responses=error_responses(401, 403))
+async def overview(request: Request, _: AdminDep) -> Overview:
+    """Traffic counters of this gateway process, sessions by status, the served version, the trainer's
+    state and the newest version's publish."""
+    gw: Gateway = request.app.state.gateway
+
+    def read(db: Session) -> tuple[dict[str, int], int, int, Any]:
+        return console.status_counts(db), leases.ready_count(db), leases.leased_count(db), leases.latest_policy(db)
+
+    statuses, ready, leased, latest = await gw.read(read)
+    holders = gw.gate.holders
+    state: Literal["held", "stepping", "waiting"] = "held" if holders else "stepping" if leased else "waiting"
+    trained = latest is not None and latest.version > 0
+    return Overview(
+        time=time.time(), counters=_counters(gw), store_queue_depth=gw.writer.queue_depth,
+        served_version=gw.engine.version, sessions={"open": statuses.get("open", 0), "final": statuses.get("final", 0)},
+        trainer=TrainerState(state=state, ready=ready, leased=leased, holders=holders,
+                             last_step_at=latest.created_at if trained else None),
+        last_publish=LastPublish(version=latest.version, published_at=latest.published_at,
+                                 seconds=latest.metrics.get("publish_seconds"), error=latest.publish_error)
+        if trained else None)

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import String, case, cast, exists, false, or_, true
+from sqlalchemy import String, cast, exists, false, or_, true
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, func, select
 
+from tracetrain.store import leases
 from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call
 
 SORTS = {"created": AgentSession.created_at, "updated": AgentSession.updated_at, "reward": AgentSession.reward,
@@ -98,10 +99,8 @@ def capture_stats(db: Session) -> dict[str, list[dict[str, Any]]]:
     by_source: dict[tuple[str, str | None], dict[str, int]] = {}
     for model, owner, link, n in db.exec(links).all():
         by_source.setdefault((model, owner), {})[link] = int(n)
-    reason = case((col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
-    aside = (select(AgentSession.model, AgentSession.owner, reason, func.count())
-             .where(col(AgentSession.trained_version).is_(None),
-                    or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True)))
+    reason = leases.set_aside_reason()
+    aside = (select(AgentSession.model, AgentSession.owner, reason, func.count()).where(leases.is_set_aside())
              .group_by(col(AgentSession.model), col(AgentSession.owner), reason))
     set_aside: dict[tuple[str | None, str | None], dict[str, int]] = {}
     for s_model, s_owner, why, n in db.exec(aside).all():

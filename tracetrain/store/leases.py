@@ -167,14 +167,22 @@ def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
     db.commit()
 
 
+def set_aside_reason() -> ColumnElement[str]:
+    """Why an unconsumed session was left out: `excluded` when an admin excluded it, whatever the
+    trainer said of it before, else the trainer's `skip_reason`."""
+    return case((col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
+
+
+def is_set_aside() -> ColumnElement[bool]:
+    """Not consumed, and either set aside by the trainer or excluded by an admin."""
+    return and_(col(AgentSession.trained_version).is_(None),
+                or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True)))
+
+
 def set_aside_counts(db: Session) -> dict[str, int]:
-    """Sessions left unconsumed in the store, by reason; those an admin excluded count as `excluded`,
-    whatever the trainer said of them before."""
-    reason = case((col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
-    query = (select(reason, func.count()).where(
-        col(AgentSession.trained_version).is_(None),
-        or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True)))
-        .group_by(reason))
+    """Sessions left unconsumed in the store, by `set_aside_reason`."""
+    reason = set_aside_reason()
+    query = select(reason, func.count()).where(is_set_aside()).group_by(reason)
     return {str(why): int(n) for why, n in db.exec(query).all()}
 
 

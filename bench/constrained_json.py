@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     answers: dict[tuple[str, str], list[Answer]] = {}
     examples: dict[tuple[str, str], str] = {}
     console.print(machine_line())
-    server = VLLMServer(model_dir, served_model_name=MODEL, max_model_len=2048)
-    compact = VLLMServer(model_dir, served_model_name=MODEL, max_model_len=2048, extra_args=[
+    # Over TCP: the direct arm sends its requests to the server's URL.
+    server = VLLMServer(model_dir, served_model_name=MODEL, max_model_len=2048, listen="tcp")
+    compact = VLLMServer(model_dir, served_model_name=MODEL, max_model_len=2048, listen="tcp", extra_args=[
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'])
     gateways: dict[str, ServerProcess] = {}
     try:

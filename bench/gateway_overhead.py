@@ -828,7 +828,8 @@ def start_upstream(args: argparse.Namespace, model_dir: Path) -> Any:
         from tracetrain.engines.vllm_server import VLLMServer
 
         server = VLLMServer(
-            model_dir, served_model_name=MODEL_NAME, max_model_len=4096, log_path=OUT_DIR / "vllm.log"
+            model_dir, served_model_name=MODEL_NAME, max_model_len=4096, log_path=OUT_DIR / "vllm.log",
+            listen="tcp",  # the direct arm sends HTTP to it by host and port
         )
         return server.start()
     answer = orjson.dumps(fixed_answer(model_dir, args.max_tokens)).decode()

@@ -168,7 +168,8 @@ def routing_arms(args: argparse.Namespace, table: ResultTable) -> None:
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
     # Placed as `serve --replicas 2` places them: each server's OpenMP threads on its own core.
-    servers = [VLLMServer(smollm2_dir(), served_model_name=MODEL, max_model_len=4096, kv_cache_gib=1,
+    # Over TCP: this bench reads each server's own /metrics (prefix-cache counters) by URL.
+    servers = [VLLMServer(smollm2_dir(), served_model_name=MODEL, max_model_len=4096, kv_cache_gib=1, listen="tcp",
                           log_path=OUT_DIR / f"replicas-vllm-{i}.log", env=replica_placement(i, 2))
                for i in range(2)]
     for server in servers:
@@ -214,7 +215,8 @@ def routing_arms(args: argparse.Namespace, table: ResultTable) -> None:
 def failover(args: argparse.Namespace, table: ResultTable) -> None:
     vllm_port = free_port()
     console.rule("failover: tracetrain serve --replicas 2, one SIGKILLed under load")
-    gateway, db_url = start_gateway("failover", ["--replicas", "2", "--vllm-port", str(vllm_port)])
+    gateway, db_url = start_gateway("failover", ["--replicas", "2", "--vllm-port", str(vllm_port),
+                                                    "--set", "vllm_listen=tcp"])  # the victim is found by port
     victim_port = vllm_port + 1
     killed_at: list[float] = []
 

@@ -63,11 +63,13 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
 
 
 def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> list[Any]:
-    """`config.replicas` vLLM servers on ports `vllm_port`, `vllm_port + 1`, ..., stopped with `stack`."""
+    """`config.replicas` vLLM servers, stopped with `stack`: each on a Unix socket of its own in a
+    private directory (`vllm_listen: socket`), or on ports `vllm_port`, `vllm_port + 1`, ... (`tcp`)."""
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
-    servers = [VLLMServer(model_dir, port=config.vllm_port + i, served_model_name=config.served_model_name,
-                          python=config.vllm_python, extra_args=config.vllm_args,
+    servers = [VLLMServer(model_dir, port=config.vllm_port + i, listen=config.vllm_listen,
+                          served_model_name=config.served_model_name, python=config.vllm_python,
+                          extra_args=config.vllm_args,
                           enable_lora=config.train.lora and not config.train.publishes_merged(),
                           max_lora_rank=config.train.lora_rank, env=replica_placement(i, config.replicas))
                for i in range(config.replicas)]
@@ -169,6 +171,8 @@ def serve_workers(config: Config) -> None:
         stop = threading.Event()
         stack.callback(stop.set)
         threading.Thread(target=_restart_dead, args=(servers, stop), daemon=True).start()
+        # The workers reach the servers started here by URL; a socket travels as `unix:/path`, which
+        # the workers run as this user may open (its directory is this user's alone).
         worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm"})
         os.environ[WORKER_CONFIG] = worker_config.model_dump_json()
         log.info("gateway on http://%s:%d with %d worker processes", config.host, config.port,

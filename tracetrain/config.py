@@ -176,10 +176,11 @@ class Config(BaseSettings):
     """`vllm` starts or connects to a vLLM server; `transformers` runs in-process; `auto` picks vLLM
     when it is installed."""
     engine_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Base URLs of running vLLM servers (http://host:port) instead of starting one; several make
-    replicas: sessions stick to one, new sessions go to the least loaded (`--engine-url` repeatable)."""
+    """Base URLs of running vLLM servers (http://host:port, or unix:/path/to/socket for one started
+    with `--uds`) instead of starting one; several make replicas: sessions stick to one, new sessions
+    go to the least loaded (`--engine-url` repeatable)."""
     replicas: int = Field(default=1, ge=1)
-    """vLLM servers to start on this machine (ports `vllm_port`, `vllm_port + 1`, ...) when no
+    """vLLM servers to start on this machine (each on its own socket, see `vllm_listen`) when no
     `engine_url` is given."""
     gateway_workers: int = Field(default=1, ge=1)
     """Gateway processes serving the port (`serve --workers N`); they share the store, the engines and
@@ -205,8 +206,14 @@ class Config(BaseSettings):
     vllm_python: str | None = None
     """Python executable of the environment where vLLM is installed (default: .venv-vllm, then
     TRACETRAIN_VLLM_PYTHON)."""
+    vllm_listen: Literal["socket", "tcp"] = "socket"
+    """Where the vLLM servers the gateway starts listen. `socket`: a Unix socket in a directory only
+    this user may enter, so nothing but the gateway (and this user) reaches them. `tcp`: loopback ports
+    from `vllm_port`, where every local process reaches their development endpoints (`/pause`,
+    `/collective_rpc`, LoRA loading), which vLLM's `--api-key` does not guard; for tools that must
+    reach the server by port."""
     vllm_port: int = 8100
-    """Port for the vLLM server the gateway starts."""
+    """Port of the first vLLM server the gateway starts, with `vllm_listen: tcp` (ignored otherwise)."""
     vllm_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for the vLLM server the gateway starts."""
     engine_timeout_s: float = 300.0
@@ -262,6 +269,16 @@ class Config(BaseSettings):
             return []
         if isinstance(value, str):
             return [u for u in value.replace(",", " ").split() if u]
+        return value
+
+    @field_validator("engine_url")
+    @classmethod
+    def _urls_parse(cls, value: list[str]) -> list[str]:
+        """Each URL in a form the engine can reach, checked here rather than at the first request."""
+        from tracetrain.engines.vllm_server import engine_address
+
+        for url in value:
+            engine_address(url)
         return value
 
     @model_validator(mode="after")

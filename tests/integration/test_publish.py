@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.setup_steps import PEFT_MISSING, TORCH_MISSING
@@ -34,6 +33,7 @@ from tracetrain.engines.transformers_engine import TransformersEngine  # noqa: E
 from tracetrain.engines.transformers_publish import InProcessPublisher  # noqa: E402
 from tracetrain.engines.vllm import VLLMEngine  # noqa: E402
 from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher  # noqa: E402
+from tracetrain.engines.vllm_server import async_http_client, http_client  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 vllm = pytest.mark.vllm
@@ -187,7 +187,7 @@ def restore_base_weights(vllm_server: Any) -> Iterator[None]:
     """The server is shared with other test modules: put its original weights back afterwards."""
     yield
     body = {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_server.model_dir)}}
-    with httpx.Client(base_url=vllm_server.url, timeout=300) as client:
+    with http_client(vllm_server.url, timeout=300) as client:
         client.post("/pause", params={"mode": "wait"})
         try:
             assert client.post("/collective_rpc", json=body).status_code == 200
@@ -199,7 +199,7 @@ def restore_base_weights(vllm_server: Any) -> Iterator[None]:
 async def vllm_prompt_logprobs(engine: VLLMEngine, ids: list[int], start: int) -> list[float]:
     """vLLM's logprob of each token of `ids` from `start` on, scored by the adapter the engine serves."""
     body = {"model": engine.served_model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
-    async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as client:
+    async with async_http_client(engine.base_url, timeout=120) as client:
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     scored = response.json()["choices"][0]["prompt_logprobs"]
@@ -241,7 +241,8 @@ async def test_lora_requests_in_flight_survive_publishes_and_unloads(engine, pro
 
     assert_all_finished(await run_during(engine, prompt, two_more_versions))
     assert (engine.version, publisher.loaded) == (3, ["flight-v2", "flight-v3"])
-    models = httpx.get(f"{vllm_server.url}/v1/models").json()["data"]
+    with http_client(vllm_server.url, timeout=30) as client:
+        models = client.get("/v1/models").json()["data"]
     assert "flight-v1" not in {m["id"] for m in models}
     token_ids(await generate(engine, prompt))
 
@@ -428,3 +429,4 @@ async def test_in_process_requests_in_flight_all_finish(tiny, tiny_base, tmp_pat
 
     results = await run_during(tiny, TINY_PROMPT, publish, max_tokens=64, started_before=1)
     assert_all_finished(results, max_tokens=64)
+

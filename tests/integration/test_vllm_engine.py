@@ -7,12 +7,11 @@ import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tracetrain.engines.base import EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
 from tracetrain.engines.vllm import VLLMEngine
-from tracetrain.engines.vllm_server import free_port
+from tracetrain.engines.vllm_server import async_http_client, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -82,8 +81,8 @@ async def test_stream_concatenates_to_the_non_streamed_result(engine, vllm_serve
     assert len(deltas) > 5  # really streamed
     body = {"model": vllm_server.model_name, "prompt": story_prompt, "max_tokens": 40, "temperature": 0.0,
             "return_token_ids": True, "logprobs": 0}
-    async with httpx.AsyncClient(timeout=120) as client:
-        reference = (await client.post(f"{vllm_server.url}/v1/completions", json=body)).json()["choices"][0]
+    async with async_http_client(vllm_server.url, timeout=120) as client:
+        reference = (await client.post("/v1/completions", json=body)).json()["choices"][0]
     assert ids == reference["token_ids"]
     assert logprobs == pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-4)
     assert text == reference["text"] == tokenizer.decode(ids, skip_special_tokens=True)

@@ -31,6 +31,7 @@ import orjson
 from yarl import URL
 
 from .base import Affinity, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
+from .vllm_server import engine_address
 
 
 class VLLMEngine:
@@ -50,13 +51,16 @@ class VLLMEngine:
         max_connections: int = 256,
         json_max_whitespace: int | None = 12,
     ) -> None:
-        """`base_url` is the server root (`http://host:port`, a trailing `/v1` is accepted).
+        """`base_url` is the server root (`http://host:port`, a trailing `/v1` is accepted), or
+        `unix:/path/to/socket` for a server listening on a Unix socket (what `VLLMServer` starts).
         `timeout` bounds each network wait (connect, and the gap between streamed chunks, which
         includes prefill), not a whole generation. `skip_special_tokens=False` is for models whose
         tool-call markers are special tokens; SmolLM2's `<tool_call>` is plain text either way.
         `json_max_whitespace`: see `json_constraint`; None sends JSON constraints as they are, under
         the server's own whitespace setting."""
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.address = engine_address(base_url)
+        self.base_url = self.address.url
+        """The server as shown in logs and replica state (the socket path for a socket)."""
         self.model_name = model_name
         self.version = 0
         self.served_model = model_name
@@ -65,16 +69,20 @@ class VLLMEngine:
         self.json_max_whitespace = json_max_whitespace
         self._timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout)
         self._max_connections = max_connections
-        self._completions = URL(f"{self.base_url}/v1/completions")  # parsed once, not per request
-        self._health = URL(f"{self.base_url}/health")
+        self._completions = URL(f"{self.address.http_base}/v1/completions")  # parsed once, not per request
+        self._health = URL(f"{self.address.http_base}/health")
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         """The pooled session, made on first use: aiohttp binds it to the running event loop."""
         if self._session is None or self._session.closed:
+            uds = self.address.uds
+            connector: aiohttp.BaseConnector = (
+                aiohttp.UnixConnector(path=uds, limit=self._max_connections) if uds is not None
+                else aiohttp.TCPConnector(limit=self._max_connections))
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=connector,
                 # The first stream line echoes the prompt's ids: up to several MB for long prompts.
                 read_bufsize=4 * 1024 * 1024,
                 headers={"Content-Type": "application/json"},

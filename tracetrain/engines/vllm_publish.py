@@ -30,6 +30,7 @@ from tracetrain.engines.publishing import (
     expect_kind,
     model_shapes,
 )
+from tracetrain.engines.vllm_server import async_http_client
 
 if TYPE_CHECKING:
     from tracetrain.engines.vllm import VLLMEngine
@@ -41,9 +42,7 @@ def _control_client(engine: VLLMEngine, timeout: float) -> httpx.AsyncClient:
     """A client for vLLM's control endpoints that opens a new connection per call: after a failed
     `/collective_rpc` (a 500), vLLM 0.32's server drops the keep-alive connection, and the next call
     sent on it (the restore, `/resume`) would fail without reaching the server."""
-    return httpx.AsyncClient(
-        base_url=engine.base_url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0)
-    )
+    return async_http_client(engine.base_url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _vllm_message(response: httpx.Response) -> str:

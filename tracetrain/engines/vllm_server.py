@@ -4,6 +4,13 @@ vLLM lives in its own Python environment (its transformers pin conflicts with ou
 `<that python> -m vllm.entrypoints.openai.api_server` and we only talk HTTP to it. The server runs in
 its own process group: vLLM spawns an engine-core and a worker process, and `stop()` must take
 all of them down, not just the API server.
+
+By default the server listens on a Unix socket in a directory only this user may enter, not on a TCP
+port: it runs with its development endpoints on (`/pause`, `/collective_rpc`, runtime LoRA loading),
+which vLLM's `--api-key` does not guard (it covers `/v1` and a few other prefixes only), so on a TCP
+port any local process could pause it or load weights into it. Such a server's URL is
+`unix:/path/to/socket` (vLLM's own notation); `engine_address` turns either form into what an HTTP
+client needs, for every client that talks to vLLM.
 """
 
 from __future__ import annotations
@@ -13,21 +20,97 @@ import ctypes
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Literal
 
 import httpx
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+UNIX_PREFIX = "unix:"
+"""Engine URLs of this form name a Unix socket: `unix:/path/to/socket`."""
+
+Listen = Literal["socket", "tcp"]
+
+_SOCKET_HOST = "http://localhost"
+"""Request URLs to a socket still need a scheme and host; vLLM ignores the host."""
+
+_MAX_SOCKET_PATH = 107
+"""Linux's limit on a Unix socket path (108 bytes with the terminating NUL)."""
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """Where a vLLM server is reached: the one place engine URLs are parsed."""
+
+    url: str
+    """The URL as shown in logs and `/v1/replicas`: `http://host:port` or `unix:/path`."""
+    http_base: str
+    """What request URLs start with (`{http_base}/v1/completions`)."""
+    uds: str | None = None
+    """The Unix socket to connect to, when the server listens on one."""
+
+
+def engine_address(url: str) -> EngineAddress:
+    """`http(s)://host:port` (a trailing `/v1` is accepted) or `unix:/absolute/socket/path`; anything
+    else is a ValueError, so a config with a mistyped URL fails when it loads."""
+    url = url.strip()
+    if url.startswith(UNIX_PREFIX):
+        path = url.removeprefix(UNIX_PREFIX)
+        if not path.startswith("/"):
+            raise ValueError(f"engine URL {url!r}: a Unix socket needs an absolute path (unix:/path/to/socket)")
+        return EngineAddress(url, _SOCKET_HOST, path)
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+        raise ValueError(f"engine URL {url!r}: expected http://host:port or unix:/path/to/socket")
+    base = url.rstrip("/").removesuffix("/v1")
+    return EngineAddress(base, base)
+
+
+def http_client(url: str, *, timeout: float, **kwargs: Any) -> httpx.Client:
+    """A synchronous httpx client for the vLLM server at `url`, over its socket when it has one;
+    request paths are relative (`client.get("/health")`)."""
+    address = engine_address(url)
+    if address.uds is None:
+        return httpx.Client(base_url=address.http_base, timeout=timeout, **kwargs)
+    limits = kwargs.pop("limits", httpx.Limits())  # a given transport ignores the client's limits
+    return httpx.Client(base_url=address.http_base, timeout=timeout,
+                        transport=httpx.HTTPTransport(uds=address.uds, limits=limits), **kwargs)
+
+
+def async_http_client(url: str, *, timeout: float, **kwargs: Any) -> httpx.AsyncClient:
+    """`http_client`, asynchronous."""
+    address = engine_address(url)
+    if address.uds is None:
+        return httpx.AsyncClient(base_url=address.http_base, timeout=timeout, **kwargs)
+    limits = kwargs.pop("limits", httpx.Limits())
+    return httpx.AsyncClient(base_url=address.http_base, timeout=timeout,
+                             transport=httpx.AsyncHTTPTransport(uds=address.uds, limits=limits), **kwargs)
+
+
+def private_socket_path(name: str = "vllm.sock") -> Path:
+    """A socket path inside a new directory only this user may enter (mode 0700, from `mkdtemp`):
+    connecting to a Unix socket needs search permission on its directory, so other local users cannot
+    reach the server whatever mode vLLM's umask gives the socket file itself."""
+    directory = Path(tempfile.mkdtemp(prefix="tracetrain-vllm-"))
+    path = directory / name
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise RuntimeError(f"the socket path {path} is longer than a Unix socket path may be; "
+                           "set TMPDIR to a shorter directory")
+    return path
 
 
 def replica_placement(index: int, count: int) -> dict[str, str]:
@@ -83,6 +166,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class VLLMServer:
     """One vLLM server process. Use as a context manager, or call `start()` and `stop()`.
 
+    `listen="socket"` (default): the server listens on a Unix socket in a private directory (see the
+    module's docstring) and `url` is `unix:/…/vllm.sock`; the path stays the same across restarts, and
+    the directory is removed when this object is collected or the interpreter exits. `listen="tcp"`:
+    on `host:port`, reachable by every local process, for a server that others must reach by address.
+
     On CPU, `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE`: vLLM otherwise sizes the KV cache from a
     fraction of all RAM, and an explicit size also lets it skip a warm-up pass at start. SmolLM2-135M
     needs about 46 KB per token, so 2 GiB holds about 46k tokens.
@@ -95,6 +183,7 @@ class VLLMServer:
         served_model_name: str | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
+        listen: Listen = "socket",
         python: str | None = None,
         dtype: str = "float32",
         max_model_len: int | None = None,
@@ -111,7 +200,15 @@ class VLLMServer:
         self.model = str(model)
         self.model_name = served_model_name or Path(self.model).name
         self.host = host
-        self.port = port or free_port(host)
+        self.listen = listen
+        self.socket_path: Path | None = None
+        """The server's Unix socket (with `listen="socket"`)."""
+        if listen == "socket":
+            self.socket_path = private_socket_path()
+            weakref.finalize(self, shutil.rmtree, self.socket_path.parent, ignore_errors=True)
+            self.port = 0
+        else:
+            self.port = port or free_port(host)
         self.python = python or find_vllm_python()
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -122,12 +219,18 @@ class VLLMServer:
         self.max_loras = max_loras
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
-        self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"vllm-{self.port}.log"
+        default_log = (f"{self.socket_path.parent.name}.log" if self.socket_path is not None
+                       else f"vllm-{self.port}.log")
+        self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / default_log
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """`unix:/path/to/socket`, or `http://host:port` with `listen="tcp"`: what `engine_address`,
+        `VLLMEngine` and `--engine-url` take."""
+        if self.socket_path is not None:
+            return f"{UNIX_PREFIX}{self.socket_path}"
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
@@ -135,9 +238,11 @@ class VLLMServer:
             raise RuntimeError(
                 "vLLM is not installed: create .venv-vllm (see README) or set TRACETRAIN_VLLM_PYTHON"
             )
+        # With --uds vLLM binds only the socket: it ignores --host and --port.
+        where = (["--uds", str(self.socket_path)] if self.socket_path is not None
+                 else ["--host", self.host, "--port", str(self.port)])
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--served-model-name", self.model_name, "--host", self.host, "--port", str(self.port),
-               "--dtype", self.dtype]
+               "--served-model-name", self.model_name, *where, "--dtype", self.dtype]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         # No structured-output flags: the engine bounds whitespace per request (`json_constraint` in
@@ -165,6 +270,12 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),  # ignored by GPU builds
             "PYTHONUNBUFFERED": "1",
         })
+        if self.socket_path is not None:
+            # vLLM's own processes (API server, engine core, workers) talk over ZeroMQ sockets named
+            # `$VLLM_RPC_BASE_PATH/<uuid>`, by default in the shared temporary directory where anyone can
+            # list them; the engine core takes requests and utility calls on them. In the private
+            # directory they are out of reach as well.
+            env["VLLM_RPC_BASE_PATH"] = str(self.socket_path.parent)
         env.update(self.extra_env)
         return env
 
@@ -193,7 +304,11 @@ class VLLMServer:
         if self.process is not None and self.process.poll() is not None:
             self.stop()  # takes down whatever of its process group survived
         cmd = self.command()
-        if not _port_free(self.host, self.port):
+        if self.socket_path is not None:
+            # A killed server leaves its socket file behind, and vLLM's bind fails on an existing path.
+            # The directory is ours alone, so whatever is there is a previous server's.
+            self.socket_path.unlink(missing_ok=True)
+        elif not _port_free(self.host, self.port):
             raise RuntimeError(f"port {self.port} on {self.host} is taken: another vLLM (or anything else) "
                                "is there; pick another port or pass its URL as engine_url")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,27 +323,28 @@ class VLLMServer:
         assert self.process is not None
         started = time.monotonic()
         next_report = started + 10
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with code {self.process.returncode} during start-up; "
-                    f"last log lines:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    log.info("vLLM healthy on %s after %.0f s", self.url, time.monotonic() - started)
-                    return
-            except httpx.HTTPError:
-                pass
-            now = time.monotonic()
-            if now - started > self.startup_timeout:
-                raise TimeoutError(
-                    f"vLLM not healthy after {self.startup_timeout:.0f} s; last log lines:\n{self.log_tail()}"
-                )
-            if now >= next_report:
-                log.info("waiting for vLLM on %s (%.0f s): %s", self.url, now - started, self.log_tail(1))
-                next_report = now + 10
-            time.sleep(0.5)
+        with http_client(self.url, timeout=2.0) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"vLLM exited with code {self.process.returncode} during start-up; "
+                        f"last log lines:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get("/health").status_code == 200:
+                        log.info("vLLM healthy on %s after %.0f s", self.url, time.monotonic() - started)
+                        return
+                except httpx.HTTPError:
+                    pass
+                now = time.monotonic()
+                if now - started > self.startup_timeout:
+                    raise TimeoutError(
+                        f"vLLM not healthy after {self.startup_timeout:.0f} s; last log lines:\n{self.log_tail()}"
+                    )
+                if now >= next_report:
+                    log.info("waiting for vLLM on %s (%.0f s): %s", self.url, now - started, self.log_tail(1))
+                    next_report = now + 10
+                time.sleep(0.5)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -240,10 +356,19 @@ class VLLMServer:
             return ""
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `grace` seconds."""
+        """SIGTERM to the server's process group, SIGKILL after `grace` seconds. The socket's
+        directory stays (a later `start()` uses the same path); it goes with this object."""
         process, self.process = self.process, None
         if process is None:
             return
+        try:
+            self._end(process, grace)
+        finally:
+            if self.socket_path is not None:
+                self.socket_path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _end(process: subprocess.Popen[bytes], grace: float) -> None:
         pgid = process.pid  # start_new_session made the server its group leader
         if process.poll() is not None:
             with contextlib.suppress(ProcessLookupError):  # its engine core may outlive a killed server

@@ -1,7 +1,8 @@
 """The console at /ui in a real browser (Debian's chromium, headless, driven by Playwright) against a real
 gateway with keys: log in, filter sessions, open one, see its sampled tokens highlighted, override its
-reward and exclude it, and see the trainer skip it; bad rewards in the form change nothing; an agent key
-sees only its own sessions and corrects nothing. Screenshots go to tests/e2e/screenshots/ (git-ignored)."""
+reward and exclude it, and see the trainer skip it; clear an override; see a call's tool calls and tool
+results as their own items; bad rewards in the form change nothing; an agent key sees only its own
+sessions and corrects nothing. Screenshots go to tests/e2e/screenshots/ (git-ignored)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from openai import OpenAI
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
 from tests.support.setup_steps import CHROMIUM_MISSING, PLAYWRIGHT_MISSING
+from tests.support.tool_model import ADD_TOOL
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.transformers_publish import InProcessPublisher
@@ -276,11 +278,14 @@ def test_an_agent_key_sees_only_its_own_sessions_and_corrects_nothing(console: C
                                        .split('=')[1]);
         const post = (path, body) => fetch(path, {method: 'POST', body: JSON.stringify(body),
             headers: {'Authorization': 'Bearer ' + key, 'Content-Type': 'application/json'}}).then(r => r.status);
+        const clear = (path) => fetch(path, {method: 'DELETE', headers: {'Authorization': 'Bearer ' + key}})
+            .then(r => r.status);
         return [await post('/v1/sessions/b-secret/exclude', {note: 'x'}),
                 await post('/v1/sessions/b-secret/reward_override', {reward: 0, note: 'x'}),
-                await post('/v1/sessions/zoo-1/exclude', {note: 'x'})];
+                await post('/v1/sessions/zoo-1/exclude', {note: 'x'}),
+                await clear('/v1/sessions/b-secret/reward_override')];
     }""")
-    assert statuses == [403, 403, 403]
+    assert statuses == [403, 403, 403, 403]
     for sid in ("b-secret", "zoo-1"):
         assert console.get(f"/v1/sessions/{sid}/actions")["data"] == []
         assert console.get(f"/v1/sessions/{sid}")["excluded"] is False
@@ -324,6 +329,40 @@ def test_policies_overview_and_capture_pages_show_the_api_figures(console: Conso
     sync_api.expect(page.locator("#capture tbody tr")).to_have_count(len(stats["data"]) + 1)
     sync_api.expect(page.locator("#capture tbody tr").last).to_contain_text(str(stats["total"]["calls"]))
     _shot(page, "capture")
+
+
+def test_tool_calls_and_results_are_items_and_an_override_can_be_cleared(console: Console, page: Any) -> None:
+    # A client that ran a tool sends its call and result; the tiny model only has to answer in text.
+    client = OpenAI(base_url=console.gw.v1("tool-1", "tools"), api_key=AGENT_A, max_retries=0)
+    client.chat.completions.create(model=MODEL, max_tokens=4, tools=[ADD_TOOL], tool_choice="none", messages=[
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_7", "type": "function", "function": {
+            "name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "5 (from the calculator)"}])
+    assert console.post("/v1/rewards", {"session_id": "tool-1", "reward": 1.0, "final": True}, AGENT_A).is_success
+    _login(page, console.gw, ADMIN_KEY)
+    page.goto(f"{console.gw.url}/ui/#/session/tool-1")
+    tree = page.locator("#call-tree")
+    sync_api.expect(tree.locator(".item.tool-call")).to_contain_text('add({"a": 2, "b": 3})')
+    sync_api.expect(tree.locator(".item.tool-result")).to_contain_text("5 (from the calculator)")
+    sync_api.expect(tree.locator(".item.tool-result")).to_contain_text("add (call_7)")
+    sync_api.expect(tree.locator(".item.message.reply")).to_have_count(1)
+    _shot(page, "session_tools", "#call-tree")
+
+    sync_api.expect(page.locator("#clear-override")).to_have_count(0)  # nothing to clear yet
+    page.fill("#override-reward", "0")
+    page.click("#override")
+    sync_api.expect(page.locator("[data-fact='override']")).to_have_text("0")
+    page.fill("#action-note", "the judge was right")
+    page.click("#clear-override")
+    sync_api.expect(page.locator("#action-ok")).to_have_text("Cleared: reward override.")
+    sync_api.expect(page.locator("[data-fact='override']")).to_have_text("—")
+    sync_api.expect(page.locator("[data-fact='reward (for training)']")).to_have_text("1")
+    sync_api.expect(page.locator("#clear-override")).to_have_count(0)
+    sync_api.expect(page.locator("#timeline li.action")).to_have_count(2)
+    actions = console.get("/v1/sessions/tool-1/actions")["data"]
+    assert [(a["action"], a["note"]) for a in actions] == [("reward_override", ""),
+                                                           ("clear_reward_override", "the judge was right")]
 
 
 def test_a_gateway_without_keys_opens_the_console_directly(gateway: RunningGateway, page: Any) -> None:

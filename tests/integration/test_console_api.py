@@ -1,9 +1,12 @@
-"""The console's JSON API over real HTTP: an admin's corrections (exclude, include, reward override),
-audited with who and when, refused to agent keys and on bad input; the trainer honours them; the
-session list filters, sorts and pages, each key seeing its own sessions; capture quality."""
+"""The console's JSON API over real HTTP: an admin's corrections (exclude, include, reward override and
+clearing it), audited with who and when, refused to agent keys and on bad input; the trainer honours
+them; the session list filters, sorts and pages, each key seeing its own sessions, and its text search
+(through the index of migration 0005, on new and on upgraded stores) finds what a scan finds; each
+call's tool calls and tool results as items of the session JSON; capture quality."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,18 +14,22 @@ from typing import Any
 
 import httpx
 import pytest
+from alembic import command
 from openai import OpenAI
+from sqlalchemy import text as sql
 from sqlmodel import Session
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
 from tests.support.sessions import add_session
+from tests.support.tool_model import ADD_TOOL, QUESTION
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.proxy.auth import fingerprint
-from tracetrain.store import console, corrections, leases
+from tracetrain.proxy.console_protocol import message_items
+from tracetrain.store import console, corrections, leases, schema
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import make_engine, open_engine
 from tracetrain.store.models import AgentSession, Call
 from tracetrain.trainer.batch import BatchGatherer
 from tracetrain.trainer.data import load_samples
@@ -57,6 +64,10 @@ def _post(gw: RunningGateway, path: str, body: Any = None, headers: dict[str, st
         return httpx.post(gw.url + path, content=content, headers={**(headers or {}),
                                                                    "Content-Type": "application/json"}, timeout=30)
     return httpx.post(gw.url + path, json=body, headers=headers, timeout=30)
+
+
+def _delete(gw: RunningGateway, path: str, body: Any = None, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.request("DELETE", gw.url + path, json=body, headers=headers, timeout=30)
 
 
 def _error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
@@ -119,6 +130,58 @@ def test_corrections_are_admin_only_validated_and_audited(keyed: RunningGateway)
     ]
     assert all(a["session_id"] == "c-1" and a["created_at"] for a in actions)
     assert actions[0]["created_at"] <= actions[1]["created_at"] <= actions[2]["created_at"]
+
+
+def test_an_admin_clears_a_reward_override_and_the_posted_rewards_count_again(keyed: RunningGateway) -> None:
+    _call(keyed, "agent-a", "o-1")
+    _call(keyed, "agent-a", "o-2")  # no reward posted, ever
+    for reward in ({"reward": 1.0}, {"reward": 0.5, "final": True}):
+        assert _post(keyed, "/v1/rewards", {"session_id": "o-1", **reward}, AGENT_A).status_code == 200
+    path = "/v1/sessions/o-1/reward_override"
+    _error(_delete(keyed, path, None, AGENT_A), 403, "admin_required")
+    _error(_delete(keyed, path), 401, "missing_api_key")
+    _error(_delete(keyed, "/v1/sessions/nope/reward_override", None, ADMIN), 404, "session_not_found")
+    _error(_delete(keyed, path, None, ADMIN), 409, "no_reward_override")
+    for body in ({"note": 5}, {"reward": 1.0}, {"note": "x" * 4001}):
+        _error(_delete(keyed, path, body, ADMIN), 400)
+    assert _post(keyed, path, {"reward": 0.0, "note": "judge was wrong"}, ADMIN).status_code == 200
+    _error(_delete(keyed, path, None, AGENT_A), 403, "admin_required")
+    assert _get(keyed, "/v1/sessions/o-1", AGENT_A).json()["reward_override"] == 0.0, "an agent's 403 changed nothing"
+
+    cleared = _delete(keyed, path, {"note": "the judge was right after all"}, ADMIN)
+    assert cleared.status_code == 200, cleared.text
+    body = cleared.json()
+    assert (body["session_id"], body["reward"], body["reward_override"]) == ("o-1", 1.5, None)
+    action = body["action"]
+    assert (action["action"], action["actor"], action["note"]) == (
+        "clear_reward_override", fingerprint("admin"), "the judge was right after all")
+    _error(_delete(keyed, path, None, ADMIN), 409, "no_reward_override")
+    # rewards posted from now on count again, and the trainer reads them
+    assert _post(keyed, "/v1/rewards", {"session_id": "o-1", "reward": 0.25}, AGENT_A).status_code == 200
+    session = _get(keyed, "/v1/sessions/o-1", AGENT_A).json()
+    assert (session["reward"], session["reward_override"], session["reward_total"]) == (1.75, None, 1.75)
+    with Session(make_engine(keyed.gateway.config.db_url)) as db:
+        assert {x.reward for x in load_samples(db, ["o-1"])} == {1.75}
+    listed = _get(keyed, "/v1/sessions", ADMIN, reward_min=1.7).json()["data"]
+    assert [s["id"] for s in listed] == ["o-1"], "the list filters on the posted rewards again"
+    actions = _get(keyed, "/v1/sessions/o-1/actions", ADMIN).json()["data"]
+    assert [(a["action"], a["old_value"], a["new_value"]) for a in actions] == [
+        ("reward_override", {"reward": 1.5, "reward_override": None}, {"reward": 0.0, "reward_override": 0.0}),
+        ("clear_reward_override", {"reward": 0.0, "reward_override": 0.0}, {"reward": 1.5, "reward_override": None}),
+    ]
+    assert actions[1]["created_at"] >= actions[0]["created_at"]
+
+    # a session with no posted reward has none again; no body: no note
+    assert _post(keyed, "/v1/sessions/o-2/reward_override", {"reward": 1.0, "note": ""}, ADMIN).status_code == 200
+    cleared = _delete(keyed, "/v1/sessions/o-2/reward_override", None, ADMIN)
+    assert cleared.status_code == 200, cleared.text
+    assert (cleared.json()["reward"], cleared.json()["action"]["note"]) == (None, "")
+
+    document = httpx.get(f"{keyed.url}/openapi.json").json()
+    operation = document["paths"]["/v1/sessions/{session_id}/reward_override"]["delete"]
+    assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/CorrectionResponse")
+    assert {"403", "404", "409"} <= operation["responses"].keys()
 
 
 def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
@@ -228,7 +291,29 @@ def test_the_session_list_filters_sorts_and_pages_per_key(keyed: RunningGateway)
         _error(_get(keyed, "/v1/sessions", AGENT_A, **params), 400)
 
 
-def test_the_session_list_filters_on_either_store(db_url: str) -> None:
+def _stored_call(sid: str, n: int, messages: list[dict[str, Any]], reply: dict[str, Any], inherited: int = 0,
+                 parent: str | None = None) -> Call:
+    return Call(id=f"{sid}-c{n}", completion_id=f"chatcmpl-{sid}-{n}", session_id=sid, group_id="g1", seq=n,
+                parent_id=parent, link="extend" if parent else "start", model="tiny", state_hash=f"{sid}-{n}",
+                prompt_ids=encode_ids([1]), completion_ids=encode_ids([2]), completion_logprobs=encode_floats([-1.0]),
+                messages=messages, messages_inherited=inherited, response_message=reply)
+
+
+TOOL_TURN = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Reykjavik"}'}}]}
+
+
+def _tool_session(db: Session, sid: str = "tools") -> None:
+    """Two calls: the first replies with a tool call, the second sends the tool's result (stored as the
+    messages it added: the first call's reply and the result)."""
+    db.add(AgentSession(id=sid, group_id="g1", model="tiny"))
+    db.add(_stored_call(sid, 0, [{"role": "user", "content": "What is the weather?"}], TOOL_TURN))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, QuokkaSeven"}
+    db.add(_stored_call(sid, 1, [TOOL_TURN, result], {"role": "assistant", "content": "It is sunny."}, inherited=1,
+                        parent=f"{sid}-c0"))
+
+
+def test_the_session_list_filters_on_either_store(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(db_url)
     with Session(engine) as db:
         for i in range(4):
@@ -248,11 +333,112 @@ def test_the_session_list_filters_on_either_store(db_url: str) -> None:
             rows, total = console.search_sessions(db, where=console.SessionFilter(text=text))
             assert [r.id for r in rows] == found and total == len(found), text
         assert console.search_sessions(db, where=console.SessionFilter(group_id="g1", text="zzz"))[1] == 0
+        _tool_session(db)
+        db.commit()
+        searches = {"quokkaseven": ["tools"],  # only in a tool result, added by the session's second call
+                    "QUOKKA": ["tools"], "reykjavik": ["tools"],  # a tool call's arguments, in the reply
+                    "It Is Sunny": ["tools"], "TOOL_CALL_ID": ["tools"], "sunny, quokka": ["tools"],
+                    "zèbre": ["text"], "100%": ["text"], "sunny quokka": [], "quokkaseven!": []}
+
+        def results() -> dict[str, list[str]]:
+            return {q: [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]]
+                    for q in searches}
+
+        assert results() == searches
+        # A common text pages by scanning sessions in order (and counts through the index): same answers.
+        monkeypatch.setattr(console, "COMMON_CALLS", 1)
+        assert results() == searches
+        page, total = console.search_sessions(db, where=console.SessionFilter(text="role"), limit=2)
+        assert len(page) == 2 and total == 2, "only the stored messages of 'text' and 'tools' have a role"
+        monkeypatch.undo()
+        # The index follows the calls: a changed message, a deleted call.
+        db.exec(sql("UPDATE calls SET messages = '[{\"content\": \"Wombat\"}]' WHERE id = 'tools-c1'"))  # type: ignore[call-overload]
+        db.commit()
+        assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="wombat"))[0]] == ["tools"]
+        assert console.search_sessions(db, where=console.SessionFilter(text="quokkaseven"))[1] == 0
+        db.exec(sql("DELETE FROM calls WHERE session_id = 'tools'"))  # type: ignore[call-overload]
+        db.commit()
+        assert console.search_sessions(db, where=console.SessionFilter(text="wombat"))[1] == 0
+        assert console.search_sessions(db, where=console.SessionFilter(text="reykjavik"))[1] == 0
         corrections.override_reward(db, session_id="s1", reward=9.0, actor=None)
         db.commit()
         top, _ = console.search_sessions(db, where=console.SessionFilter(reward_min=5), sort="reward")
         assert [s.id for s in top] == ["s1"]
         assert console.version_spans(db, session_ids=["s0", "text"]) == {"s0": (0, 0), "text": (0, 0)}
+
+
+def test_an_upgraded_store_searches_its_earlier_calls_through_the_index(db_url: str) -> None:
+    """Migration 0005 indexes the calls already stored (on SQLite its triggers then keep new ones)."""
+    engine = open_engine(db_url)
+    with engine.begin() as connection:
+        command.upgrade(schema._config(connection), "0004")
+    with engine.begin() as connection:  # rows as 0004 has them
+        connection.execute(sql("INSERT INTO sessions (id, group_id, status, created_at, updated_at, calls, tokens, "
+                                "excluded) VALUES ('old', 'g', 'open', '2026-01-01', '2026-01-01', 1, 2, false)"))
+        connection.execute(
+            sql("INSERT INTO calls (id, completion_id, choice_index, session_id, group_id, seq, link, model, "
+                 "policy_version, prefix_len, prompt_tokens, completion_tokens, latency_ms, created_at, state_hash, "
+                 "prompt_ids, completion_ids, completion_logprobs, messages, messages_inherited, response_message, "
+                 "request_params) VALUES ('old-c', 'chatcmpl-old', 0, 'old', 'g', 0, 'start', 'tiny', 0, 0, 1, 1, "
+                 "0.0, '2026-01-01', 'h', :ids, :ids, :logprobs, :messages, 0, :reply, '{}')"),
+            {"ids": encode_ids([1]), "logprobs": encode_floats([-1.0]), "messages": '[{"role": "tool", "content": '
+             '"Platypus"}]', "reply": '{"role": "assistant", "content": "ok"}'})
+    schema.upgrade(engine)
+    with Session(make_engine(db_url)) as db:
+        _tool_session(db, "new")
+        db.commit()
+        for q, found in (("PLATYPUS", ["old"]), ("quokkaseven", ["new"]), ("PLATYPUS!", [])):
+            assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]] == found, q
+        if engine.dialect.name == "sqlite":
+            assert db.exec(sql("SELECT count(*) FROM call_search_rows")).one() == (3,)  # type: ignore[call-overload]
+        else:
+            indexes = db.exec(sql("SELECT indexname FROM pg_indexes WHERE tablename = 'calls'")).all()  # type: ignore[call-overload]
+            assert {"ix_calls_messages_trgm", "ix_calls_response_message_trgm"} <= {i for (i,) in indexes}
+
+
+def test_message_items_read_every_api_s_tool_calls_and_results() -> None:
+    names = {"toolu_1": "add"}
+    anthropic_result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "5"}]},
+        {"type": "text", "text": "Now double it."}]}
+    assert [i.model_dump(exclude_defaults=True) for i in message_items(anthropic_result, names)] == [
+        {"type": "tool_result", "text": "5", "tool_call_id": "toolu_1", "name": "add"},
+        {"type": "message", "role": "user", "text": "Now double it."}]
+    anthropic_call = {"role": "assistant", "content": [{"type": "text", "text": "Adding."}, {
+        "type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2}}]}
+    assert [i.model_dump(exclude_defaults=True) for i in message_items(anthropic_call, {})] == [
+        {"type": "message", "role": "assistant", "text": "Adding."},
+        {"type": "tool_call", "text": '{"a": 2}', "tool_call_id": "toolu_1", "name": "add"}]
+    long = message_items({"role": "tool", "tool_call_id": "x", "content": "y" * 5000}, {})[0]
+    assert (long.type, len(long.text), long.truncated, long.name) == ("tool_result", 2000, True, None)
+    parts = message_items({"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url"}]}, {})
+    assert [(i.type, i.text) for i in parts] == [("message", "see\n[image_url]")]
+
+
+def test_the_session_json_carries_tool_calls_and_tool_results_as_items(tool_gateway: RunningGateway) -> None:
+    """What the console's call tree draws: the first call's reply calls a tool, the second call sends the
+    tool's result; each is its own item, not only prompt tokens."""
+    client = OpenAI(base_url=tool_gateway.v1("tool-items"), api_key="unused", max_retries=0)
+    history: list[Any] = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(model="tool-tiny", messages=history, tools=[ADD_TOOL], temperature=0)
+    reply = first.choices[0].message
+    assert reply.tool_calls, "the tool model calls its tool"
+    call_id = reply.tool_calls[0].id
+    history += [reply.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call_id, "content": "5"}]
+    client.chat.completions.create(model="tool-tiny", messages=history, tools=[ADD_TOOL], temperature=0)
+
+    calls = _get(tool_gateway, "/v1/sessions/tool-items").json()["calls"]
+    assert [c["link"] for c in calls] == ["start", "extend"]
+    assert calls[0]["added_items"] == [{"type": "message", "role": "user", "text": QUESTION, "tool_call_id": None,
+                                        "name": None, "truncated": False}]
+    (tool_call,) = calls[0]["reply_items"]
+    assert (tool_call["type"], tool_call["name"], tool_call["tool_call_id"]) == ("tool_call", "add", call_id)
+    assert json.loads(tool_call["text"]) == {"a": 2, "b": 3}
+    # the second call resent the first one's reply (not repeated here) and added the tool's result
+    assert calls[1]["added_items"] == [{"type": "tool_result", "role": None, "text": "5", "tool_call_id": call_id,
+                                        "name": "add", "truncated": False}]
+    assert [i["type"] for i in calls[1]["reply_items"]] == ["message"]
+    assert calls[1]["reply_items"][0]["role"] == "assistant"
 
 
 def test_capture_stats_count_chained_calls_segment_starts_and_set_asides(keyed: RunningGateway) -> None:

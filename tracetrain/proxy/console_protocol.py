@@ -1,15 +1,18 @@
 """Request and response models of the console's JSON API: who the caller is, the overview, the session
-list, an admin's corrections to a session (exclude, include, reward override) and their audit trail,
-and capture quality."""
+list, an admin's corrections to a session (exclude, include, reward override and clearing it) and their
+audit trail, capture quality, and each call's conversation items (what it added, what it replied)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tracetrain.store.models import AgentSessionPublic, SessionActionPublic
+from tracetrain.store.console import added_messages
+from tracetrain.store.models import AgentSessionPublic, Call, SessionActionPublic
 
 MAX_NOTE = 4000
 
@@ -151,3 +154,107 @@ class Overview(BaseModel):
     trainer: TrainerState
     last_publish: LastPublish | None
     """The newest trained version's publish (None: no version trained yet)."""
+
+
+MAX_ITEM_TEXT = 2000
+"""Characters of an item's text in the session JSON; the whole text is in the trajectory's tokens."""
+
+
+class ConversationItem(BaseModel):
+    """One thing a call added to the conversation or replied, whatever API it came through: a message, a
+    tool call, or a tool's result."""
+
+    type: Literal["message", "tool_call", "tool_result"]
+    role: str | None = None
+    """A message's role (`system`, `user`, `assistant`, ...)."""
+    text: str = ""
+    """A message's text, a tool call's arguments (JSON), or a tool result's content."""
+    tool_call_id: str | None = None
+    """The tool call this is, or answers."""
+    name: str | None = None
+    """The tool's name (for a result, looked up by `tool_call_id` among the session's calls)."""
+    truncated: bool = False
+    """`text` was cut at `MAX_ITEM_TEXT` characters."""
+
+
+def _text(content: Any) -> str:
+    """A content value as text: strings as they are, text parts joined, other parts named."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "tool_result":
+                parts.append(_text(part.get("content")))
+            else:
+                parts.append(f"[{part.get('type', 'part') if isinstance(part, dict) else 'part'}]")
+        return "\n".join(parts)
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _item(names: dict[str, str], type_: Literal["message", "tool_call", "tool_result"], text: str,
+          **fields: Any) -> ConversationItem:
+    if type_ == "tool_result" and fields.get("name") is None:
+        fields["name"] = names.get(fields.get("tool_call_id") or "")
+    return ConversationItem(type=type_, text=text[:MAX_ITEM_TEXT], truncated=len(text) > MAX_ITEM_TEXT, **fields)
+
+
+def _tool_calls(message: dict[str, Any]) -> list[tuple[str | None, str | None, str]]:
+    """(id, name, arguments) of a message's tool calls: OpenAI's `tool_calls` or Anthropic's `tool_use`
+    blocks."""
+    found = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        found.append((call.get("id"), function.get("name"),
+                      arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)))
+    content = message.get("content")
+    for block in content if isinstance(content, list) else []:
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            found.append((block.get("id"), block.get("name"), json.dumps(block.get("input"), ensure_ascii=False)))
+    return found
+
+
+def message_items(message: dict[str, Any], names: dict[str, str]) -> list[ConversationItem]:
+    """One stored message as items. Chat and Responses store tool results as `tool` messages, the
+    Messages API as `tool_result` blocks of a user message; tool calls come as OpenAI's `tool_calls` or
+    Anthropic's `tool_use` blocks."""
+    role = message.get("role")
+    content = message.get("content")
+    if role in ("tool", "function"):
+        return [_item(names, "tool_result", _text(content), tool_call_id=message.get("tool_call_id"),
+                      name=message.get("name"))]
+    items: list[ConversationItem] = []
+    if isinstance(content, list):
+        results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+        rest = [b for b in content if not (isinstance(b, dict) and b.get("type") in ("tool_result", "tool_use"))]
+        items += [_item(names, "tool_result", _text(b.get("content")), tool_call_id=b.get("tool_use_id"))
+                  for b in results]
+        text = _text(rest) if rest else ""
+    else:
+        text = _text(content)
+    if text or not (items or _tool_calls(message)):
+        items.append(_item(names, "message", text, role=role))
+    items += [_item(names, "tool_call", arguments, tool_call_id=cid, name=name)
+              for cid, name, arguments in _tool_calls(message)]
+    return items
+
+
+def conversation_items(calls: Sequence[Call]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """For each of a session's calls, by id: `added_items`, what its request added after its parent's reply
+    (tool results, user turns; a first call's whole request), and `reply_items`, its reply's text and
+    tool calls, as JSON."""
+    added = added_messages(calls)
+    names: dict[str, str] = {}
+    for message in [*(c.response_message for c in calls), *(m for ms in added.values() for m in ms)]:
+        for cid, name, _ in _tool_calls(message):
+            if cid and name:
+                names[cid] = name
+    return {call.id: {
+        "added_items": [i.model_dump(mode="json") for m in added[call.id] for i in message_items(m, names)],
+        "reply_items": [i.model_dump(mode="json") for i in message_items(call.response_message, names)],
+    } for call in calls}

@@ -1,15 +1,15 @@
 """An admin's corrections to a session: keep it out of training (and let it back in), override its
-reward. Each one changes the session row and adds a `SessionAction` in the same transaction, so the
-audit trail and what the trainer sees never disagree."""
+reward (and clear the override). Each one changes the session row and adds a `SessionAction` in the
+same transaction, so the audit trail and what the trainer sees never disagree."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, SessionAction
+from tracetrain.store.models import AgentSession, Reward, SessionAction
 
 
 def _record(db: Session, session: AgentSession, *, action: str, actor: str | None, note: str,
@@ -46,6 +46,27 @@ def override_reward(db: Session, *, session_id: str, reward: float, actor: str |
     session.reward_override = session.reward = reward
     entry = _record(db, session, action="reward_override", actor=actor, note=note, old=old,
                     new={"reward": reward, "reward_override": reward})
+    return session, entry
+
+
+def clear_reward_override(db: Session, *, session_id: str, actor: str | None, note: str = "",
+                          ) -> tuple[AgentSession, SessionAction | None] | None:
+    """Drop the session's reward override: its reward for training is the sum of its posted rewards again
+    (None if it has none), as if no override had been made. None if the session does not exist;
+    (session, None) if it has no override: nothing changes and nothing is recorded."""
+    session = db.get(AgentSession, session_id, with_for_update=True)
+    if session is None:
+        return None
+    if session.reward_override is None:
+        return session, None
+    # Summed under the session row's lock: a reward posted meanwhile (queries.add_reward updates this
+    # row) is either in the sum or adds itself to it once the override is gone.
+    posted = db.exec(select(func.sum(Reward.value)).where(Reward.session_id == session_id)).one()
+    old = {"reward": session.reward, "reward_override": session.reward_override}
+    session.reward_override = None
+    session.reward = None if posted is None else float(posted)
+    entry = _record(db, session, action="clear_reward_override", actor=actor, note=note, old=old,
+                    new={"reward": session.reward, "reward_override": None})
     return session, entry
 
 

@@ -162,7 +162,7 @@ class GenerationHold(SQLModel, table=True):
     expires_at: datetime
 
 
-SESSION_ACTIONS = ("exclude", "include", "reward_override")
+SESSION_ACTIONS = ("exclude", "include", "reward_override", "clear_reward_override")
 
 
 class SessionActionBase(SQLModel):

@@ -363,6 +363,28 @@ function versionSpans(segment) {
   return spans.map((s) => `v${s.version} × ${s.count}`).join(" → ") || "no sampled tokens";
 }
 
+// One item of a call's conversation, labelled by what it is: a tool result comes back to the model as
+// prompt tokens, so in the token view it is not told apart from the rest of the prompt; here it is.
+function conversationItem(item, reply) {
+  const text = item.truncated ? `${item.text}…` : item.text;
+  const tool = [item.name, item.tool_call_id ? `(${item.tool_call_id})` : ""].filter(Boolean).join(" ");
+  if (item.type === "tool_call") {
+    return el("div", { class: "item tool-call", "data-item": "tool_call" },
+      el("span", { class: "label" }, reply ? "tool call" : "tool call (sent)"), " ",
+      el("code", {}, `${item.name || "?"}(${text})`),
+      item.tool_call_id ? el("span", { class: "muted" }, ` ${item.tool_call_id}`) : "");
+  }
+  if (item.type === "tool_result") {
+    return el("div", { class: "item tool-result", "data-item": "tool_result" },
+      el("span", { class: "label" }, "tool result"), " ", el("span", { class: "muted" }, tool || "—"),
+      el("pre", {}, text));
+  }
+  const label = reply ? "reply" : item.role || "message";
+  return el("div", { class: `item message ${reply ? "reply" : ""}`, "data-item": reply ? "reply" : item.role },
+    el("span", { class: "label" }, label), " ", text ? el("span", { class: "text" }, text) : el("span",
+      { class: "muted" }, "(empty)"));
+}
+
 function callTree(calls) {
   const children = new Map();
   for (const call of calls) {
@@ -372,17 +394,15 @@ function callTree(calls) {
   }
   const known = new Set(calls.map((c) => c.id));
   const item = (call) => {
-    const message = call.response_message || {};
-    const tools = (message.tool_calls || []).map((t) => el("div", { class: "tool" },
-      `→ ${t.function.name}(${t.function.arguments})`));
     const reason = ["extend", "branch"].includes(call.link) ? call.link : `new segment: ${call.link}`;
     return el("li", { "data-call": call.id },
       el("strong", {}, `#${call.seq}${call.choice_index ? `.${call.choice_index}` : ""} `),
       el("span", { class: `badge ${call.link === "extend" ? "" : "warn"}` }, reason), " ",
       el("span", { class: "muted" }, `v${call.policy_version} · ${call.prompt_tokens} prompt / ` +
         `${call.completion_tokens} sampled · ${call.finish_reason || "?"} · ${Math.round(call.latency_ms)} ms`),
-      message.content ? el("div", {}, String(message.content).slice(0, 300)) : "",
-      tools,
+      // What the request added (tool results, user turns), then what the model replied (text, tool calls).
+      el("div", { class: "items added" }, (call.added_items || []).map((i) => conversationItem(i, false))),
+      el("div", { class: "items reply" }, (call.reply_items || []).map((i) => conversationItem(i, true))),
       (children.get(call.id) || []).length ? el("ul", {}, children.get(call.id).map(item)) : "");
   };
   const roots = calls.filter((c) => !c.parent_id || !known.has(c.parent_id));
@@ -413,16 +433,16 @@ function actionsPanel(session, reload, notice) {
   const done = el("p", { id: "action-ok", class: "ok" }, notice || "");
   const reward = el("input", { id: "override-reward", inputmode: "decimal", size: 8, placeholder: "e.g. 0.5" });
   const note = el("input", { id: "action-note", size: 40, maxlength: 4000, placeholder: "why" });
-  const run = async (path, body) => {
+  const run = async (path, body, method = "POST") => {
     message.textContent = "";
     done.textContent = "";
     try {
-      await api(`/v1/sessions/${encodeURIComponent(session.id)}/${path}`, { method: "POST", body });
+      await api(`/v1/sessions/${encodeURIComponent(session.id)}/${path}`, { method, body });
     } catch (error) {
       message.textContent = error.message;
       return;
     }
-    await reload(`Saved: ${path.replace("_", " ")}.`);
+    await reload(method === "DELETE" ? `Cleared: ${path.replace("_", " ")}.` : `Saved: ${path.replace("_", " ")}.`);
   };
   const override = (event) => {
     event.preventDefault();
@@ -439,10 +459,13 @@ function actionsPanel(session, reload, notice) {
       "Include in training")
     : el("button", { type: "button", id: "exclude", onclick: () => run("exclude", { note: note.value }) },
       "Exclude from training");
+  // Only with an override to clear: the trainer then uses the posted rewards again.
+  const clear = session.reward_override === null ? "" : el("button", { type: "button", id: "clear-override",
+    onclick: () => run("reward_override", { note: note.value }, "DELETE") }, "Clear override");
   return el("div", { class: "panel", id: "actions" }, el("h2", {}, "Actions"),
     el("form", { class: "actions", onsubmit: override },
       el("label", {}, "reward", reward), el("label", {}, "note", note),
-      el("button", { type: "submit", id: "override" }, "Override reward"), toggle),
+      el("button", { type: "submit", id: "override" }, "Override reward"), clear, toggle),
     message, done);
 }
 

@@ -1,5 +1,6 @@
 """An admin's corrections to a session, which the trainer honours: exclude it from training, include it
-again, override its reward with a note; and the audit trail of them (who, by key fingerprint, and when)."""
+again, override its reward with a note, clear the override; and the audit trail of them (who, by key
+fingerprint, and when)."""
 
 from __future__ import annotations
 
@@ -19,30 +20,38 @@ from tracetrain.store.models import AgentSession, SessionAction, SessionActionPu
 
 router = APIRouter(responses=error_responses(401, 403, 404))
 
-Change = Callable[[Session], tuple[AgentSession, SessionAction] | None]
+Change = Callable[[Session], tuple[AgentSession, SessionAction | None] | None]
+"""A correction in the writer's transaction: (the session after it, the action recorded), or None when the
+session does not exist; no action when there was nothing to change."""
 
 
 def _missing(session_id: str) -> APIError:
     return APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
 
 
-async def _apply(request: Request, session_id: str, change: Change) -> CorrectionResponse:
+async def _apply(request: Request, session_id: str, change: Change, unchanged: APIError | None = None,
+                 ) -> CorrectionResponse:
+    """Run `change` through the store writer; `unchanged` is the error to answer when it recorded nothing."""
     gw: Gateway = request.app.state.gateway
     if await gw.session_info(session_id) is None:
         raise _missing(session_id)
 
-    def write(db: Session) -> CorrectionResponse | None:
+    def write(db: Session) -> CorrectionResponse | bool:
         done = change(db)
         if done is None:
-            return None
+            return False
         session, action = done
+        if action is None:
+            return True
         return CorrectionResponse(session_id=session.id, excluded=session.excluded, reward=session.reward,
                                   reward_override=session.reward_override, trained_version=session.trained_version,
                                   action=SessionActionPublic.model_validate(action))
 
-    result: CorrectionResponse | None = await gw.writer.submit(write)
-    if result is None:
+    result: CorrectionResponse | bool = await gw.writer.submit(write)
+    if result is False:
         raise _missing(session_id)
+    if result is True:
+        raise unchanged or APIError(409, "Nothing to change.", code="unchanged")
     return result
 
 
@@ -73,6 +82,18 @@ async def reward_override(request: Request, session_id: str, body: RewardOverrid
     """Make `reward` the session's reward for training, in place of every posted reward."""
     return await _apply(request, session_id, lambda db: corrections.override_reward(
         db, session_id=session_id, reward=body.reward, actor=caller.owner, note=body.note))
+
+
+@router.delete("/v1/sessions/{session_id}/reward_override", response_model=CorrectionResponse,
+               responses=error_responses(409))
+async def clear_reward_override(request: Request, session_id: str, caller: AdminDep,
+                                body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
+    """Remove the session's reward override: its reward for training is the sum of its posted rewards
+    again (per-call ones included; none posted: no reward). 409 `no_reward_override` when it has none."""
+    note = body.note if body is not None else ""
+    unchanged = APIError(409, f"Session '{session_id}' has no reward override to clear.", code="no_reward_override")
+    return await _apply(request, session_id, lambda db: corrections.clear_reward_override(
+        db, session_id=session_id, actor=caller.owner, note=note), unchanged)
 
 
 @router.get("/v1/sessions/{session_id}/actions", response_model=ActionList)

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import AdminDep, CallerDep
-from tracetrain.proxy.console_protocol import SessionList, SessionSummary
+from tracetrain.proxy.console_protocol import SessionList, SessionSummary, conversation_items
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses
@@ -66,8 +66,11 @@ async def list_sessions(
     return await gw.read(read)  # type: ignore[no-any-return]
 
 
-@router.get("/v1/sessions/{session_id}")
+@router.get("/v1/sessions/{session_id}", responses=error_responses(401, 403, 404))
 async def get_session(request: Request, session_id: str, caller: CallerDep) -> dict[str, Any]:
+    """The session, its calls and its reward events. Each call carries `added_items` (what its request added
+    after its parent's reply: tool results, user turns) and `reply_items` (its reply's text and tool calls),
+    whatever API it came through (see `ConversationItem`)."""
     gw: Gateway = request.app.state.gateway
     await _owned(gw, session_id, caller)
 
@@ -75,9 +78,10 @@ async def get_session(request: Request, session_id: str, caller: CallerDep) -> d
         session = queries.get_session(db, session_id=session_id)
         calls = queries.session_calls(db, session_id=session_id)
         rewards = queries.session_rewards(db, session_id=session_id)
+        items = conversation_items(calls)  # for the console's call tree: tool calls and results as items
         return {
             **AgentSessionPublic.model_validate(session).model_dump(mode="json"),
-            "calls": [CallPublic.model_validate(c).model_dump(mode="json") for c in calls],
+            "calls": [{**CallPublic.model_validate(c).model_dump(mode="json"), **items[c.id]} for c in calls],
             "rewards": [RewardPublic.model_validate(r).model_dump(mode="json") for r in rewards],
             "reward_total": sum(r.value for r in rewards),
         }
@@ -85,7 +89,7 @@ async def get_session(request: Request, session_id: str, caller: CallerDep) -> d
     return await gw.read(read)  # type: ignore[no-any-return]
 
 
-@router.get("/v1/sessions/{session_id}/trajectory")
+@router.get("/v1/sessions/{session_id}/trajectory", responses=error_responses(401, 403, 404))
 async def get_trajectory(
     request: Request, session_id: str, caller: CallerDep,
     text: bool = Query(False, description="Add `token_texts` to each segment: every token's own text, "
@@ -112,12 +116,19 @@ async def get_trajectory(
     return found
 
 
-@router.get("/v1/export")
-async def export_jsonl(request: Request, _: AdminDep) -> StreamingResponse:
+class NDJSONStream(StreamingResponse):
+    """Declares its media type on the class, so that the OpenAPI document states it (not JSON)."""
+
+    media_type = "application/x-ndjson"
+
+
+@router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(401, 403))
+async def export_jsonl(request: Request, _: AdminDep) -> NDJSONStream:
+    """Every trajectory segment, one JSON object per line."""
     gw: Gateway = request.app.state.gateway
 
     def lines() -> Iterator[bytes]:
         for row in iter_rows(gw.db):
             yield orjson.dumps(row) + b"\n"
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return NDJSONStream(lines())

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import Request
 
@@ -30,6 +32,16 @@ def _check(value: str | None, what: str) -> str | None:
     if value is not None and (not value or len(value) > MAX_ID_LEN or not value.isprintable()):
         raise APIError(400, f"Invalid {what}: 1 to {MAX_ID_LEN} printable characters.", code=f"invalid_{what}")
     return value
+
+
+_HEADER_SAFE = "".join(c for c in string.printable if c not in "%\t\n\r\x0b\x0c")
+
+
+def header_value(session_id: str) -> str:
+    """A session id as the `X-Session-Id` response header carries it: percent-encoded (UTF-8) beyond
+    printable ASCII, and `%` itself, so that `urllib.parse.unquote` gives the id back. A header holds
+    Latin-1 at most, and any other id (a `user` in Chinese) made the whole answer a 500."""
+    return quote(session_id, safe=_HEADER_SAFE)
 
 
 def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str | None = None) -> Binding:

@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracetrain.engines.base import EngineError
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -43,6 +48,31 @@ class BodyTooLarge(StarletteHTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"Request body exceeds {limit} bytes.")
+
+
+STORE_ERRORS = (OperationalError, InterfaceError, PoolTimeout)
+"""The store cannot answer just now: PostgreSQL restarting or unreachable, a full disk, a lock held past
+the timeout, no pooled connection free. Not IntegrityError and the like: those are about the request."""
+
+
+def store_error(exc: Exception) -> APIError:
+    """A store failure as the 503 the client sees, in OpenAI's error shape, with Retry-After: code
+    `store_full` when the store's disk is full (SQLite's SQLITE_FULL, PostgreSQL's 53100 disk_full),
+    else `store_unavailable`. A full disk is a 503 too, not WebDAV's 507: every OpenAI client and load
+    balancer retries a 503 without special cases, and the code says which it is. The request was not
+    acknowledged, so the client may send it again (a commit whose answer the lost connection swallowed
+    may still be in the store: a reward's idempotency key makes its retry safe). The database's own
+    words go to the log only: they name hosts and paths."""
+    orig = getattr(exc, "orig", None) or exc
+    detail = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    full = getattr(orig, "sqlstate", None) == "53100" or any(
+        words in detail.lower() for words in ("disk is full", "no space left on device"))
+    log.warning("store error, answered 503: %s: %s", type(orig).__name__, detail)
+    if full:
+        return APIError(503, "The store's disk is full: nothing was recorded. Retry later.",
+                        code="store_full", headers={"Retry-After": "5"})
+    return APIError(503, "The store is unavailable: nothing was recorded. Retry shortly.",
+                    code="store_unavailable", headers={"Retry-After": "1"})
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
@@ -111,6 +141,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
         return _respond(request, exc.status, str(exc), exc.code, headers=getattr(exc, "headers", None))
+
+    async def _store(request: Request, exc: Exception) -> JSONResponse:
+        error = store_error(exc)
+        return _respond(request, error.status, error.message, error.code, headers=error.headers)
+
+    for kind in STORE_ERRORS:
+        app.add_exception_handler(kind, _store)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

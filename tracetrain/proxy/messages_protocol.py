@@ -74,7 +74,8 @@ class ToolChoice(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "smollm2-135m-instruct", "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]}]})
     model: str
     max_tokens: int = Field(ge=1, le=131072)
     messages: list[Message] = Field(min_length=1)

@@ -3,7 +3,10 @@
 FastAPI documents 422 for invalid requests, but the gateway answers 400 in its API's error shape
 (proxy/errors.py); and the session-bound paths (`/s/{session}/g/{group}/v1/…`) share one handler with
 the plain paths, so their path parameters are not in the handler's signature. Both are fixed here,
-once, so that generated clients and fuzzers see the real contract.
+once, so that generated clients and fuzzers see the real contract; so are the statuses every route may
+answer (413 for a body over the limit), and the error shape of the Messages API's paths. Each route
+declares its own other answers (`error_responses`, `generation_responses`);
+tests/integration/test_fuzz_openapi.py holds the gateway to all of it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ ANTHROPIC_ERROR_SCHEMA = {
 }
 
 
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["data"],
+    "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+                   "data": {"type": "string", "description": "A JSON object; `[DONE]` ends a Chat Completions or "
+                                                             "completions stream"}},
+}
+"""One server-sent event (OpenAPI before 3.2 has a `text/event-stream` schema describe each event)."""
+
+
+NO_CONTROL_CHARACTERS = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+ID_DESCRIPTION = (f"1 to {MAX_ID_LEN} printable characters (as Python's `str.isprintable`: no control, format or "
+                  "separator characters but the space)")
+"""Session and group ids (proxy/binding.py); the pattern states the part a JSON Schema regex can."""
+
+
 def _error(path: str, description: str) -> dict[str, Any]:
     name = "AnthropicError" if path.endswith("/v1/messages") else "Error"
     return {"description": description,
@@ -38,14 +56,32 @@ def _error(path: str, description: str) -> dict[str, Any]:
 
 
 ERROR_DESCRIPTIONS = {401: "Missing or wrong API key", 403: "Not allowed for this API key",
-                      404: "No such session"}
+                      404: "No such session", 409: "Conflicts with the current state",
+                      429: "Too busy for now: retry after `Retry-After` seconds",
+                      502: "The engine failed", 503: "The engine is unavailable: retry",
+                      504: "The engine did not answer in time"}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """Documented error answers of an OpenAI-shaped route, for its decorator's `responses=`."""
-    return {status: {"description": ERROR_DESCRIPTIONS[status],
+def error_responses(*statuses: int, described: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """Documented error answers of a route, for its decorator's `responses=`; `described` overrides the
+    generic description of a status (404 of a model, not a session). In OpenAI's error shape: on the
+    Messages API's paths `build_openapi` swaps in Anthropic's."""
+    descriptions = {**ERROR_DESCRIPTIONS, **(described or {})}
+    return {status: {"description": descriptions[status],
                      "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             for status in statuses}
+
+
+def generation_responses(described: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """What a generating route (chat, messages, responses, completions) answers: its JSON body, or server-
+    sent events with `stream: true`; another key's session (403), a model the gateway does not serve
+    (404), admission or every replica full (429), and the engine failing (502), unavailable (503) or
+    too slow (504)."""
+    return {200: {"description": "The reply: JSON, or server-sent events when the request sets `stream`",
+                  "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
+            **error_responses(401, 403, 404, 429, 502, 503, 504,
+                              described={403: "The session belongs to another API key",
+                                         404: "No such model", **(described or {})})}
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -60,13 +96,23 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             for name in re.findall(r"{(\w+)}", path):
                 if name not in declared:
                     operation.setdefault("parameters", []).append({
-                        "name": name, "in": "path", "required": True,
-                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN}})
+                        "name": name, "in": "path", "required": True, "description": ID_DESCRIPTION,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN,
+                                   "pattern": NO_CONTROL_CHARACTERS}})
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             responses.setdefault("400", _error(path, "Invalid request"))
             if operation.get("requestBody") or path.startswith("/s/"):
                 responses.setdefault("401", _error(path, "Missing or wrong API key"))
+            if operation.get("requestBody"):
+                responses.setdefault("413", _error(path, "Request body too large"))  # app.BodyLimit
+            # Any route that reads or writes the store answers 503 while the store is away (errors.store_error).
+            responses.setdefault("503", _error(path, "The store (or the engine) is unavailable just now"))
+            if path.endswith("/v1/messages"):  # routes declare OpenAI's shape; this API answers in Anthropic's
+                for status, answer in responses.items():
+                    if status.startswith(("4", "5")) and "application/json" in answer.get("content", {}):
+                        answer["content"]["application/json"]["schema"] = {
+                            "$ref": "#/components/schemas/AnthropicError"}
     return schema
 
 

@@ -42,6 +42,11 @@ def message_problem(messages: list[ChatMessage]) -> tuple[str, str, str] | None:
     return None
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""A 64-bit signed seed, as OpenAI's API and vLLM take it. Beyond it the in-process engine's generator
+cannot be seeded (that was a 502); inside it, the seed of each choice (seed + index) still is."""
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -96,7 +101,8 @@ ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFor
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}]})
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -109,7 +115,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=131072)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     tools: list[dict[str, Any]] | None = None
     """Checked against `ChatTool`, kept as sent: the chat template renders them, and a reordered key
     would change the prompt."""

@@ -46,7 +46,8 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "smollm2-135m-instruct", "input": "Say hello.", "max_output_tokens": 16}]})
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -19,8 +19,9 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
-from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.errors import STORE_ERRORS, APIError, error_body, store_error
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -48,6 +49,7 @@ from tracetrain.proxy.serving import (
 )
 
 router = APIRouter()
+GENERATING = generation_responses()
 
 
 def _constraint(body: ChatCompletionRequest) -> Constraint | None:
@@ -154,7 +156,12 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
     finally:
         run.cancel()
     replies = [reply_message(turn, c) for c in turn.choices]
-    await record(gw, turn, replies)
+    try:
+        await record(gw, turn, replies)
+    except STORE_ERRORS as exc:  # not recorded, so no final chunk: an error event instead of a cut stream
+        error = store_error(exc)
+        yield _sse(error_body(error.status, error.message, error.code))
+        return
     for c, reply in zip(turn.choices, replies, strict=True):
         delta: dict[str, Any] = {}
         if reply.get("tool_calls"):
@@ -169,9 +176,9 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
     yield b"data: [DONE]\n\n"
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-@router.post("/s/{session}/v1/chat/completions", response_model=ChatCompletionResponse)
-@router.post("/s/{session}/g/{group}/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
+@router.post("/s/{session}/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
+@router.post("/s/{session}/g/{group}/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
 async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway

@@ -24,6 +24,8 @@ from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import generation_responses
+from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
@@ -37,10 +39,12 @@ from tracetrain.proxy.serving import (
 )
 
 router = APIRouter()
+GENERATING = generation_responses()
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 16}]})
     model: str
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1, le=131072)
@@ -48,7 +52,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -189,9 +193,9 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: CompletionReque
     yield b"data: [DONE]\n\n"
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
-@router.post("/s/{session}/v1/completions", response_model=CompletionResponse)
-@router.post("/s/{session}/g/{group}/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATING)
+@router.post("/s/{session}/v1/completions", response_model=CompletionResponse, responses=GENERATING)
+@router.post("/s/{session}/g/{group}/v1/completions", response_model=CompletionResponse, responses=GENERATING)
 async def completions(body: CompletionRequest, request: Request, response: Response, caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway
     async with counted(gw, body.stream):

@@ -16,9 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.gate import REMOTE
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import holds
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(401, 403))
 
 
 class HoldRequest(BaseModel):

@@ -25,6 +25,7 @@ from tracetrain.proxy.constraints import forced_call
 from tracetrain.proxy.errors import APIError, anthropic_error_body
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.messages_protocol import MessageResponse, MessagesRequest, Usage, canonical_messages, chat_tools
+from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.render import canonical_message
 from tracetrain.proxy.serving import (
     CallSpec,
@@ -39,6 +40,7 @@ from tracetrain.proxy.serving import (
 )
 
 router = APIRouter()
+GENERATING = generation_responses()
 
 
 def _forced(body: MessagesRequest) -> str | None:
@@ -162,9 +164,9 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
     gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
 
 
-@router.post("/v1/messages", response_model=MessageResponse)
-@router.post("/s/{session}/v1/messages", response_model=MessageResponse)
-@router.post("/s/{session}/g/{group}/v1/messages", response_model=MessageResponse)
+@router.post("/v1/messages", response_model=MessageResponse, responses=GENERATING)
+@router.post("/s/{session}/v1/messages", response_model=MessageResponse, responses=GENERATING)
+@router.post("/s/{session}/g/{group}/v1/messages", response_model=MessageResponse, responses=GENERATING)
 async def messages(body: MessagesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway
     async with counted(gw, body.stream):

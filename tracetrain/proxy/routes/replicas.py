@@ -7,8 +7,9 @@ from pydantic import BaseModel
 
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(401, 403))
 
 
 class ReplicaState(BaseModel):

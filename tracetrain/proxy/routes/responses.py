@@ -24,6 +24,7 @@ from tracetrain.proxy.binding import Binding, bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses, generation_responses
 from tracetrain.proxy.render import canonical_message
 from tracetrain.proxy.responses_protocol import INSTRUCTIONS, ResponsesRequest, chat_tools, input_messages, output_items
 from tracetrain.proxy.serving import (
@@ -41,6 +42,9 @@ from tracetrain.store.messages import call_messages
 from tracetrain.store.models import Call
 
 router = APIRouter()
+GENERATING = generation_responses({404: "No such model or previous response"})
+STORED = error_responses(401, 403, 404, described={403: "The response belongs to another API key",
+                                                  404: "No such response"})
 
 
 class ResponseObject(BaseModel):
@@ -203,9 +207,9 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
     gw.metrics.latency.labels("true").observe(time.perf_counter() - turn.started)
 
 
-@router.post("/v1/responses", response_model=ResponseObject)
-@router.post("/s/{session}/v1/responses", response_model=ResponseObject)
-@router.post("/s/{session}/g/{group}/v1/responses", response_model=ResponseObject)
+@router.post("/v1/responses", response_model=ResponseObject, responses=GENERATING)
+@router.post("/s/{session}/v1/responses", response_model=ResponseObject, responses=GENERATING)
+@router.post("/s/{session}/g/{group}/v1/responses", response_model=ResponseObject, responses=GENERATING)
 async def create_response(body: ResponsesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway
     async with counted(gw, body.stream):
@@ -221,9 +225,9 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
     return created
 
 
-@router.get("/v1/responses/{response_id}", response_model=ResponseObject)
-@router.get("/s/{session}/v1/responses/{response_id}", response_model=ResponseObject)
-@router.get("/s/{session}/g/{group}/v1/responses/{response_id}", response_model=ResponseObject)
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
+@router.get("/s/{session}/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
+@router.get("/s/{session}/g/{group}/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
 async def get_response(request: Request, caller: CallerDep, response_id: str = Path()) -> ResponseObject:
     gw: Gateway = request.app.state.gateway
     call = await _stored(gw, response_id, caller, None)

@@ -11,11 +11,14 @@ from sqlmodel import Session
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.protocol import RewardRequest, RewardResponse
 from tracetrain.store import queries
 from tracetrain.store.models import Reward
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(
+    401, 403, 404, 409, described={403: "The session belongs to another API key", 404: "No such session or call",
+                                   409: "The idempotency key was used with a different reward"}))
 
 
 def combine(reward: float | dict[str, float], weights: dict[str, float]) -> float:

@@ -32,15 +32,23 @@ def metrics_access(request: Request) -> None:
         get_admin(caller)
 
 
-@router.get("/metrics", dependencies=[Depends(metrics_access)], responses=error_responses(401, 403))
+class PrometheusText(Response):
+    """Declares its media type on the class, so that the OpenAPI document states it (not JSON)."""
+
+    media_type = "text/plain"
+
+
+@router.get("/metrics", dependencies=[Depends(metrics_access)], response_class=PrometheusText,
+            responses=error_responses(401, 403))
 async def metrics(request: Request) -> Response:
+    """Prometheus' text exposition format."""
     gw: Gateway = request.app.state.gateway
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
-@router.get("/s/{session}/v1/models")
-@router.get("/s/{session}/g/{group}/v1/models")
+@router.get("/v1/models", responses=error_responses(401))
+@router.get("/s/{session}/v1/models", responses=error_responses(401))
+@router.get("/s/{session}/g/{group}/v1/models", responses=error_responses(401))
 async def models(request: Request, _: CallerDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     name = gw.config.served_model_name

@@ -261,6 +261,25 @@ class Config(BaseSettings):
     enough to cover a training step on most setups, so unchanged agents (the OpenAI SDK retries a 429
     twice) rarely see one, and well inside the SDKs' own request timeouts (600 s)."""
 
+    promotion: Literal["immediate", "canary"] = "immediate"
+    """`immediate`: every published version serves every request at once (the demo's setting).
+    `canary`: a new version first serves `canary_share` of *new* sessions next to the incumbent (a
+    session keeps the version it started on); it is promoted when its sessions' final rewards are not
+    worse than the incumbent's over the same period and rolled back when they are (proxy/promotion.py).
+    Needs both versions in one engine: LoRA publishing with vLLM, or the in-process engine."""
+    canary_share: float = Field(default=0.2, gt=0, lt=1)
+    """Share of new sessions a canary version serves."""
+    canary_min_sessions: int = Field(default=20, ge=2)
+    """Rewarded sessions each arm needs before the canary can be decided."""
+    canary_max_sessions: int = Field(default=200, ge=2)
+    """Rewarded canary sessions at which an undecided canary is decided by its mean: promoted unless it
+    is worse than the incumbent by more than `canary_margin`."""
+    canary_margin: float = Field(default=0.05, ge=0)
+    """How much lower the canary's mean reward may be and still count as not worse (non-inferiority
+    margin, in reward units)."""
+    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
+    """Error rate of the sequential test, valid however often it is evaluated."""
+
     @field_validator("engine_url", mode="before")
     @classmethod
     def _one_url(cls, value: Any) -> Any:
@@ -295,6 +314,16 @@ class Config(BaseSettings):
             raise ValueError("gateway_workers > 1 needs LoRA publishing (train.lora and train.publish: lora) or "
                              "train.publish: none: a full-weight reload cannot switch every process's version "
                              "label at the same moment")
+        if self.promotion == "canary":
+            if self.train.publish == "auto" and self.train.lora and self.engine != "transformers":
+                self.train.publish = "lora"  # both versions in one vLLM: only adapters make that possible
+            if self.engine != "transformers" and self._publishes_full_weights():
+                raise ValueError("promotion: canary with vLLM needs LoRA publishing (train.lora and train.publish: "
+                                 "lora): the canary and the incumbent are two adapters in the same server. Full "
+                                 "weights would need a subset of the replicas for the canary, which is not built")
+            if self.canary_max_sessions < self.canary_min_sessions:
+                raise ValueError(f"canary_max_sessions ({self.canary_max_sessions}) below canary_min_sessions "
+                                 f"({self.canary_min_sessions})")
         if self.replica_spill_at > self.replica_max_outstanding:
             raise ValueError(f"replica_spill_at ({self.replica_spill_at}) above replica_max_outstanding "
                              f"({self.replica_max_outstanding}) would never spill")

@@ -10,7 +10,7 @@ from tracetrain.store.models import AgentSession, Call, Reward
 
 def add_session(db: Session, sid: str, group: str, reward: float, version: int = 0) -> None:
     """One session of one call: a 5-token prompt, 3 sampled tokens, a final reward."""
-    db.add(AgentSession(id=sid, group_id=group, status="final"))
+    db.add(AgentSession(id=sid, group_id=group, status="final", policy_version=version, reward=reward))
     db.add(Call(id=f"{sid}-c", completion_id=f"chatcmpl-{sid}", session_id=sid, group_id=group, link="start",
                 model="tiny", policy_version=version, state_hash=sid, prompt_ids=encode_ids([1, 4093, 198, 6004, 2]),
                 completion_ids=encode_ids([28, 29, 2]), completion_logprobs=encode_floats([-10.8, -10.8, -10.8]),

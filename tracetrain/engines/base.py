@@ -68,6 +68,9 @@ class SamplingParams:
     structured_output: dict[str, Any] | None = None
     """A decoding constraint in vLLM's `structured_outputs` shape (`{"json": schema}`,
     `{"json_object": true}`); engines that cannot enforce it must refuse with a 400."""
+    version: int | None = None
+    """Serve these weights if the engine holds them (canary promotion keeps a session on the version
+    it started with); otherwise, and when None, the engine's current version."""
 
 
 @dataclass

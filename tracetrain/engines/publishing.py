@@ -38,6 +38,18 @@ class Publisher(Protocol):
     async def publish(self, checkpoint: Checkpoint) -> None: ...
 
 
+class CanaryPublisher(Protocol):
+    """A publisher that can serve a new version next to the current one (canary promotion): `stage` makes
+    it available to requests that ask for it by version, `promote` makes it everyone's, `retire` drops
+    it (requests asking for it get the current version)."""
+
+    async def stage(self, checkpoint: Checkpoint) -> None: ...
+
+    async def promote(self, checkpoint: Checkpoint) -> None: ...
+
+    async def retire(self, version: int) -> None: ...
+
+
 # --- checkpoint checks (no torch needed) ---------------------------------------------------------------
 
 TensorIndex = dict[str, tuple[int, ...]]

@@ -37,6 +37,8 @@ class ReplicaPublisher:
         self.publishers = publishers
         self.latest: Checkpoint | None = None
         """The last version published, which a rejoining replica catches up to."""
+        self.canary: Checkpoint | None = None
+        """A canary staged next to `latest` (canary promotion), which a rejoining replica loads too."""
         self._lock = asyncio.Lock()
         replicas.catch_up = self.catch_up
 
@@ -73,10 +75,50 @@ class ReplicaPublisher:
             self.latest = checkpoint
 
     async def catch_up(self, index: int) -> None:
-        """Bring one replica (out of service) to the latest version."""
+        """Bring one replica (out of service) to the latest version, and the canary if one is staged."""
         async with self._lock:
             if self.latest is not None:
                 await self.publishers[index].publish(self.latest)
+            if self.canary is not None:
+                await self._lora()[index].stage(self.canary)
+
+    # --- canary promotion (LoRA only: both versions in every replica) -------------------------------
+
+    async def stage(self, checkpoint: Checkpoint) -> None:
+        """Load a canary into every replica in service; a replica that fails is taken out."""
+        async with self._lock:
+            lora = self._lora()
+            targets = [i for i, up in enumerate(self.replicas.router.up) if up]
+            results = await asyncio.gather(*(lora[i].stage(checkpoint) for i in targets), return_exceptions=True)
+            failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
+                        if isinstance(r, BaseException)}
+            if targets and len(failures) == len(targets):
+                raise PublishError("; ".join(failures.values()))
+            for i, reason in failures.items():
+                self._failed(i, checkpoint, reason)
+            self.canary = checkpoint
+
+    async def promote(self, checkpoint: Checkpoint) -> None:
+        async with self._lock:
+            lora = self._lora()
+            targets = [i for i, up in enumerate(self.replicas.router.up) if up]
+            for i in targets:  # loaded already: the switches happen in one synchronous pass
+                if checkpoint.version not in lora[i].engine.adapters:
+                    await lora[i].load(checkpoint)
+            for i in targets:
+                lora[i].switch(checkpoint)
+            await asyncio.gather(*(lora[i].tidy() for i in targets), return_exceptions=True)
+            self.latest, self.canary = checkpoint, None
+
+    async def retire(self, version: int) -> None:
+        async with self._lock:
+            await asyncio.gather(*(p.retire(version) for p in self._lora()), return_exceptions=True)
+            self.canary = None
+
+    def _lora(self) -> list[VLLMLoRAPublisher]:
+        if not all(isinstance(p, VLLMLoRAPublisher) for p in self.publishers):
+            raise PublishError("a canary needs LoRA publishing: full weights cannot hold two versions in one server")
+        return cast(list[VLLMLoRAPublisher], self.publishers)
 
     async def _publish_lora(self, checkpoint: Checkpoint, targets: list[int]) -> dict[int, str]:
         lora = cast(list[VLLMLoRAPublisher], self.publishers)

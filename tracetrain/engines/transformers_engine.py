@@ -76,6 +76,10 @@ class TransformersEngine:
         # that thread. On a small, busy CPU box, 1 avoids spin-waiting threads fighting for cores.
         init = (lambda: torch.set_num_threads(threads)) if threads else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-engine", initializer=init)
+        self._loaded = 0
+        """The version whose weights are in `model` now (the served one, or a canary a request asked for)."""
+        self._held: dict[int, dict[str, torch.Tensor]] = {}
+        """Full weights of versions held for canary promotion, by version."""
         self._closed = False
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -124,13 +128,61 @@ class TransformersEngine:
     # --- worker thread ---------------------------------------------------------------------------
 
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        if self._loaded != self.version:  # a canary's weights are in the model: start from the served ones
+            self._load(self._held[self.version])
+        self._load(state_dict)
+        self.version = self._loaded = version
+        self._held.clear()
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         current = self.model.state_dict()
         bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
         if bad:  # checked first, so a rejected swap leaves the served weights untouched
             raise ValueError(f"unknown parameters or wrong shapes: {bad[:5]}")
         with torch.no_grad():
             self.model.load_state_dict(dict(state_dict), strict=False)
-        self.version = version
+
+    # --- canary promotion: a second version held next to the served one -----------------------------
+
+    async def stage_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hold `version` for requests that ask for it (`SamplingParams.version`); the model switches
+        between versions per request on the worker thread (a full copy each: fine for the small models
+        this engine is for, not for serving at scale)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._stage, state_dict, version)
+
+    def holds(self, version: int) -> bool:
+        return version in self._held
+
+    def drop_version(self, version: int) -> None:
+        self._held.pop(version, None)
+
+    async def serve_version(self, version: int) -> None:
+        """Make a held version the one every request gets."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._serve, version)
+
+    def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        current = self.model.state_dict()
+        bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
+        if bad:
+            raise ValueError(f"unknown parameters or wrong shapes: {bad[:5]}")
+        if self._loaded not in self._held:  # the weights loaded now, to switch back to
+            self._held[self._loaded] = {k: v.detach().clone() for k, v in current.items()}
+        self._held[version] = {**self._held[self._loaded], **state_dict}
+
+    def _serve(self, version: int) -> None:
+        if version != self._loaded:
+            self._load(self._held[version])
+        previous, self.version, self._loaded = self.version, version, version
+        # Sessions that started on the previous version keep it; older ones are let go.
+        self._held = {v: w for v, w in self._held.items() if v in (version, previous)}
+
+    def _use(self, version: int | None) -> int:
+        """The version this request runs on, loaded (worker thread)."""
+        wanted = version if version is not None and version in self._held else self.version
+        if wanted != self._loaded:
+            self._load(self._held[wanted])
+            self._loaded = wanted
+        return wanted
 
     def _run(
         self,
@@ -175,7 +227,7 @@ class TransformersEngine:
         hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
         detok = IncrementalText(self.tokenizer)
         sent = 0  # chars of detok.text already emitted
-        version = self.version  # swaps run on this same worker thread, so not during this loop
+        version = self._use(params.version)  # swaps run on this same worker thread, so not during this loop
 
         input_ids = torch.tensor([prompt], device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)

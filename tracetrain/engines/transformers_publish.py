@@ -44,6 +44,27 @@ class InProcessPublisher:
                 raise PublishError(f"swapping in version {checkpoint.version} failed: {exc}") from exc
         log.info("serving version %d (%s) from %s", checkpoint.version, checkpoint.kind, checkpoint.path)
 
+    # --- canary promotion -------------------------------------------------------------------------
+
+    async def stage(self, checkpoint: Checkpoint) -> None:
+        """Hold a version next to the served one, for the sessions assigned to it."""
+        async with self._lock:
+            state_dict = await asyncio.to_thread(self.load_state_dict, checkpoint)
+            try:
+                await self.engine.stage_weights(state_dict, checkpoint.version)
+            except (ValueError, RuntimeError) as exc:
+                raise PublishError(f"staging version {checkpoint.version} failed: {exc}") from exc
+        log.info("holding version %d (%s) from %s as a canary", checkpoint.version, checkpoint.kind, checkpoint.path)
+
+    async def promote(self, checkpoint: Checkpoint) -> None:
+        if self.engine.holds(checkpoint.version):
+            await self.engine.serve_version(checkpoint.version)
+        else:
+            await self.publish(checkpoint)
+
+    async def retire(self, version: int) -> None:
+        self.engine.drop_version(version)
+
     def load_state_dict(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
         """The full state dict the engine should serve for `checkpoint` (runs in a worker thread)."""
         try:

@@ -65,6 +65,9 @@ class VLLMEngine:
         self.version = 0
         self.served_model = model_name
         """What requests name as `model`: the base model, or the LoRA adapter of the current version."""
+        self.adapters: dict[int, str | None] = {}
+        """Other versions this server holds, by version: the adapter to name (None: the base model). A
+        request that asks for one of them (`SamplingParams.version`, canary promotion) gets it."""
         self.skip_special_tokens = skip_special_tokens
         self.json_max_whitespace = json_max_whitespace
         self._timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout)
@@ -97,12 +100,17 @@ class VLLMEngine:
         a request to its adapter on arrival."""
         self.served_model = adapter or self.model_name
         self.version = version
+        self.adapters[version] = adapter
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         del affinity  # one engine: nothing to route
-        body = self._request_body(prompt_ids, params)
-        version = self.version  # set together with the adapter named in `body`, so this is exact
+        # The version is read together with the adapter named in `body`, with no await between: exact.
+        if params.version is not None and params.version in self.adapters:
+            model, version = self.adapters[params.version] or self.model_name, params.version
+        else:
+            model, version = self.served_model, self.version
+        body = self._request_body(prompt_ids, params, model)
         if not params.stream:
             yield await self._complete(body, prompt_ids, params, version)
             return
@@ -155,9 +163,9 @@ class VLLMEngine:
         if self._session is not None:
             await self._session.close()
 
-    def _request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    def _request_body(self, prompt_ids: list[int], params: SamplingParams, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.served_model,
+            "model": model,
             "prompt": prompt_ids,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,

@@ -110,9 +110,35 @@ class VLLMLoRAPublisher:
         log.info("serving LoRA %s (version %d) from %s", name, checkpoint.version, checkpoint.path)
 
     async def tidy(self) -> None:
-        """Unload adapters older than the previous one (best effort)."""
+        """Unload adapters older than the previous one (best effort); a staged canary is not among them."""
         async with _control_client(self.engine, self.timeout) as client:
             await self._unload_all_but(client, keep=2)
+
+    # --- canary promotion: a version served next to the current one ---------------------------------
+
+    async def stage(self, checkpoint: Checkpoint) -> None:
+        """Load a version for the requests that ask for it by version; the current one stays the default."""
+        await self.load(checkpoint)
+        self.engine.adapters[checkpoint.version] = self.adapter_name(checkpoint.version)
+        log.info("LoRA %s (version %d) loaded as a canary", self.adapter_name(checkpoint.version), checkpoint.version)
+
+    async def promote(self, checkpoint: Checkpoint) -> None:
+        """Serve a version (staged or not) to every request from now on."""
+        async with self._lock:
+            if checkpoint.version not in self.engine.adapters:
+                await self.load(checkpoint)
+            self.switch(checkpoint)
+            await self.tidy()
+
+    async def retire(self, version: int) -> None:
+        """Stop serving a staged version: requests asking for it get the current one (best effort unload)."""
+        self.engine.adapters.pop(version, None)
+        name = self.adapter_name(version)
+        async with _control_client(self.engine, self.timeout) as client:
+            try:
+                await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            except httpx.HTTPError as exc:
+                log.warning("unloading LoRA %s failed: %s", name, exc)
 
     async def _load(self, client: httpx.AsyncClient, name: str, path: Path) -> None:
         # load_inplace: a trainer that restarts and publishes the same version again replaces it
@@ -131,6 +157,9 @@ class VLLMLoRAPublisher:
         """Best effort: the new version is already served, so a failed unload is only logged."""
         while len(self.loaded) > keep:
             name = self.loaded.pop(0)
+            version = int(name.rsplit("-v", 1)[1])
+            if self.engine.adapters.get(version) == name:
+                self.engine.adapters.pop(version)  # sessions pinned to it move to the served version
             try:
                 response = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
                 if response.status_code not in (200, 404):

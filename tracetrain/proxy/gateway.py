@@ -7,22 +7,23 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy.engine import Engine as DBEngine
 from sqlmodel import Session
 
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import Checkpoint, Publisher
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
+from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.render import ChatRenderer
-from tracetrain.store import holds, queries
+from tracetrain.store import holds, promotion, queries
 from tracetrain.store.messages import full_messages
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
@@ -40,6 +41,8 @@ class SessionState:
 
     owner: str | None
     group_id: str
+    version: int | None = None
+    """The policy version its first call was served by (canary promotion keeps the session on it)."""
 
 
 class Gateway:
@@ -63,6 +66,8 @@ class Gateway:
         """Under `admission: staleness`, holds new sessions while the trainer has enough work."""
         self.gate = GenerationGate()
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
+        self.promotion = Promotion(config, engine, db)
+        """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
         self._publish_lock = asyncio.Lock()
         self._holds: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
@@ -74,7 +79,11 @@ class Gateway:
         if hasattr(self.engine, "start"):  # a replica set's health checks
             self.engine.start()
         self._holds = asyncio.create_task(mirror_store_holds(self.gate, lambda: self.read(holds.active_holders)))
-        self._follower = asyncio.create_task(self._follow_versions())
+        if self.promotion.enabled:
+            self.promotion.publisher = cast(CanaryPublisher | None, self.publisher)
+            self._follower = asyncio.create_task(self.promotion.run())
+        else:
+            self._follower = asyncio.create_task(self._follow_versions())
         for service in self.services:
             service.start(asyncio.get_running_loop())
 
@@ -98,6 +107,13 @@ class Gateway:
                                f"{self.engine.version}.", code="stale_version")
             # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
             # run on the new weights under the old label: hold new generations at the gate instead.
+            if self.promotion.enabled:
+                if self.promotion.trial is not None:
+                    raise APIError(409, f"Version {self.promotion.trial.checkpoint.version} is still a canary: "
+                                   "promote or roll it back first.", code="canary_on_trial")
+                self.promotion.publisher = cast(CanaryPublisher, self.publisher)
+                await self.promotion.stage(checkpoint)
+                return
             pauses = getattr(self.publisher, "pauses_engine", False)
             if pauses:
                 self.gate.close("publish")
@@ -106,6 +122,9 @@ class Gateway:
             finally:
                 if pauses:
                     self.gate.open("publish")
+            await asyncio.to_thread(self._read, lambda db: promotion.mark_published(
+                db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
+                promotion="immediate"))
 
     async def _follow_versions(self, interval_s: float = 1.0) -> None:
         """Serve the newest version a trainer published through another gateway process on this store
@@ -155,9 +174,9 @@ class Gateway:
             row = queries.session_owner_group(conn, session_id=session_id)
         return None if row is None else SessionState(*row)
 
-    def new_session(self, session_id: str, owner: str | None, group: str) -> SessionState:
+    def new_session(self, session_id: str, owner: str | None, group: str, version: int | None) -> SessionState:
         """The state of a session this process is about to create; a concurrent first call finds it."""
-        state = self._sessions.get(session_id) or SessionState(owner, group)
+        state = self._sessions.get(session_id) or SessionState(owner, group, version)
         self._remember(session_id, state)
         return state
 

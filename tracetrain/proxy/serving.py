@@ -16,11 +16,11 @@ import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tracetrain.engines.base import Affinity, EngineError, SamplingParams
-from tracetrain.proxy.binding import Binding, prompt_group
+from tracetrain.proxy.binding import Binding, header_value, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
 from tracetrain.proxy.constraints import Constraint
 from tracetrain.proxy.errors import APIError
@@ -105,10 +105,12 @@ class Turn:
     version: int
     started: float
     choices: list[Choice]
+    pinned: int | None = None
+    """The version to serve it with (canary promotion: the session's own); None: the engine's current."""
 
     def headers(self) -> dict[str, str]:
         """What every API's response carries: the policy version that answered and the session."""
-        return {"X-Policy-Version": str(self.version), "X-Session-Id": self.session_id}
+        return {"X-Policy-Version": str(self.version), "X-Session-Id": header_value(self.session_id)}
 
 
 async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool) -> Turn:
@@ -139,9 +141,12 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     forced = spec.constraint.forced_prefix if spec.constraint else ""
     if forced:
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
+    pinned = gw.promotion.version_for(new=stored is None, key=spec.binding.group_id or session_id,
+                                      pinned=stored.version if stored else None)
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
-                started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)])
+                started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)],
+                pinned=pinned)
 
 
 def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
@@ -160,7 +165,9 @@ async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[
     turn.version = gw.engine.version
     params = turn.spec.params
     if params.seed is not None and choice.index:
-        params = SamplingParams(**{**params.__dict__, "seed": params.seed + choice.index})
+        params = replace(params, seed=params.seed + choice.index)
+    if turn.pinned is not None:
+        params = replace(params, version=turn.pinned)
     affinity = Affinity(turn.session_id, turn.group_id)
     async with asyncio.timeout(gw.config.engine_timeout_s):
         async for delta in gw.engine.generate(turn.plan.prompt_ids, params, affinity):
@@ -242,11 +249,12 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             "request_params": {**spec.params.__dict__, **spec.record_params, **(choice.route or {})},
         })
 
-    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner) if turn.new_session else None
+    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
+                           policy_version=rows[0]["policy_version"]) if turn.new_session else None
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
                                                            rows=rows))
     if turn.new_session:
-        gw.new_session(turn.session_id, turn.owner, turn.group_id)
+        gw.new_session(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
         gw.metrics.sessions.inc()
     chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
     gw.remember_calls(turn.session_id, [(row["id"], row["state_hash"]) for row in rows], chains,

@@ -53,6 +53,9 @@ class AgentSession(AgentSessionBase, table=True):
     lease_owner: str | None = Field(default=None, max_length=64)
     """The trainer that has claimed this session for a step, until `lease_until`."""
     lease_until: datetime | None = None
+    policy_version: int | None = Field(default=None, index=True)
+    """The version its first call was served by. Under canary promotion every call of the session is
+    served by it (while that version is served), and the canary's test compares sessions by it."""
     trained_version: int | None = Field(default=None, index=True)
     """The policy version whose training step consumed this session (None: not consumed yet)."""
     skip_reason: str | None = Field(default=None, max_length=32)
@@ -70,6 +73,7 @@ class AgentSessionPublic(AgentSessionBase):
     reward: float | None = None
     reward_override: float | None = None
     excluded: bool = False
+    policy_version: int | None = None
     trained_version: int | None = None
     skip_reason: str | None = None
 
@@ -151,6 +155,14 @@ class Policy(SQLModel, table=True):
     publish_error: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     """Training-step figures: loss, reward mean, samples used and skipped, tokens/s, ..."""
+    promotion: str | None = Field(default=None, max_length=16)
+    """None until published; then `immediate` (served to everyone at once), or under canary promotion
+    `canary` (serving a share of new sessions), `promoted` or `rolled_back`."""
+    canary_since: datetime | None = None
+    """When it began serving as a canary: incumbent sessions from then on are its comparison arm."""
+    decided_at: datetime | None = None
+    decision: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    """The canary decision with its numbers (proxy/sequential.py), or who promoted or rolled it back."""
 
 
 class GenerationHold(SQLModel, table=True):

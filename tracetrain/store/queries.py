@@ -32,7 +32,8 @@ _CHAINED_CHILD = core_select(_CALLS.c.id).where(
     _CALLS.c.session_id == bindparam("sid"), _CALLS.c.parent_id == bindparam("parent"),
     _CALLS.c.link.in_(["extend", "branch"])).limit(1)
 _INSERT_CALLS = insert(_CALLS)
-_SESSION_OWNER = core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id).where(_SESSIONS.c.id == bindparam("sid"))
+_SESSION_OWNER = core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version).where(
+    _SESSIONS.c.id == bindparam("sid"))
 
 
 def add_session_if_absent(db: Session, *, session: AgentSession, **values: Any) -> bool:
@@ -42,12 +43,12 @@ def add_session_if_absent(db: Session, *, session: AgentSession, **values: Any) 
     return db.connection().execute(statement, {**session.model_dump(), **values}).rowcount == 1
 
 
-def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str] | None:
-    """(owner, group) of a stored session, or None: the gateway's check on every call of a session it
-    has not cached. On a bare connection: an ORM session's transaction bookkeeping cost more than
-    the query (profiled)."""
+def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str, int | None] | None:
+    """(owner, group, version it started on) of a stored session, or None: the gateway's check on every
+    call of a session it has not cached. On a bare connection: an ORM session's transaction bookkeeping
+    cost more than the query (profiled)."""
     row = conn.execute(_SESSION_OWNER, {"sid": session_id}).first()
-    return None if row is None else (row[0], row[1])
+    return None if row is None else (row[0], row[1], row[2])
 
 
 def session_calls(db: Session, *, session_id: str) -> Sequence[Call]:

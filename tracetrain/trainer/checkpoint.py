@@ -52,7 +52,7 @@ def build_model(base_dir: Path, cfg: TrainConfig, resume_from: Path | None = Non
 
 
 def save_version(root: Path, version: int, write: Callable[[Path], None], tokenizer_dir: Path,
-                 state: dict[str, Any], keep: int, *, merged: bool) -> Path:
+                 state: dict[str, Any], keep: int, *, merged: bool, protect: Path | None = None) -> Path:
     """Have `write` fill a temporary directory (weights, sharded state), add the tokenizer and the
     loop's state, then rename it into place and prune old versions."""
     target = version_dir(root, version)
@@ -67,7 +67,7 @@ def save_version(root: Path, version: int, write: Callable[[Path], None], tokeni
     torch.save(state, tmp / STATE_FILE)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    _prune(root, keep)
+    _prune(root, keep, protect)
     return target
 
 
@@ -172,7 +172,10 @@ def load_state(path: Path) -> dict[str, Any]:
     return torch.load(path / STATE_FILE, weights_only=False)  # type: ignore[no-any-return]
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` version directories, and never `protect` (the weights the trainer
+    continues from: under canary promotion, rolled-back versions can be the newest ones)."""
     versions = sorted(p for p in root.glob("v[0-9]*") if p.is_dir() and not p.name.endswith(".tmp"))
     for old in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if protect is None or old.resolve() != protect.resolve():
+            shutil.rmtree(old, ignore_errors=True)

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine as DBEngine
 from sqlmodel import Session
 
 from tracetrain.config import TrainConfig
-from tracetrain.store import leases
+from tracetrain.store import leases, promotion
 from tracetrain.store.models import Policy, utcnow
 from tracetrain.trainer import checkpoint
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
@@ -53,17 +53,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with Session(db) as s:
             latest = leases.latest_policy(s)
+            # Numbering goes on from the newest version; the weights come from the newest one not rolled back.
+            line = promotion.incumbent(s) if latest and latest.promotion == promotion.ROLLED_BACK else latest
         self.version = latest.version if latest else 0
-        resume = Path(latest.checkpoint) if latest and latest.checkpoint else None
+        self.line: Path | None = Path(line.checkpoint) if line and line.checkpoint else None
+        """The checkpoint the trainer's weights continue from (canary promotion: never a rolled-back one)."""
         self.baseline = RunningBaseline(cfg.baseline_momentum)
-        if resume is not None:
-            checkpoint.check_base(resume, base_dir)
-            state = checkpoint.load_state(resume)
-            self.baseline = RunningBaseline.from_state(state["baseline"])
-            self.counts.update(state.get("counts", {}))
-        self.backend: TrainerBackend = make_backend(cfg, base_dir, resume)
-        if resume is not None:
-            log.info("resumed from version %d (%s)", self.version, resume)
+        self.backend: TrainerBackend = self._load(self.line)
+        if self.line is not None:
+            log.info("resumed at version %d from %s", self.version, self.line)
 
     def run(self, stop: threading.Event) -> None:
         """Step whenever a batch is gathered, until `stop` is set or max_steps is reached."""
@@ -78,9 +76,45 @@ class Trainer:
         finally:
             self.close()
 
+    def _load(self, resume: Path | None, *, counts: bool = True) -> TrainerBackend:
+        """A backend with the weights (and running baseline) of `resume`, or of the base model; with
+        `counts`, the running totals too (a restart; not a rollback, whose totals go on)."""
+        if resume is not None:
+            checkpoint.check_base(resume, self.base_dir)
+            state = checkpoint.load_state(resume)
+            self.baseline = RunningBaseline.from_state(state["baseline"])
+            if counts:
+                self.counts.update(state.get("counts", {}))
+        return make_backend(self.cfg, self.base_dir, resume)
+
+    def follow_promotion(self, stop: threading.Event | None = None) -> bool:
+        """Under canary promotion the last version published may still be on trial: wait for its decision
+        (with `stop`, until stopped; without, look once). Rolled back, training continues from the
+        incumbent's weights; its sessions are set aside by the store. False while undecided."""
+        while True:
+            with Session(self.db) as s:
+                current = s.get(Policy, self.version)
+                state = current.promotion if current else None
+                line = promotion.incumbent(s) if state == promotion.ROLLED_BACK else None
+            if state != "canary":
+                break
+            if stop is None or stop.wait(self.cfg.poll_s):
+                return False
+        if state == promotion.ROLLED_BACK:
+            resume = Path(line.checkpoint) if line and line.checkpoint else None
+            if resume != self.line:
+                log.warning("version %d was rolled back: training continues from %s", self.version,
+                            f"version {line.version}" if line else "the base model")
+                self.backend.close()
+                self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+                self.backend, self.line = self._load(resume, counts=False), resume
+        return True
+
     def step_once(self, stop: threading.Event | None = None) -> bool:
         """Gather a batch, train, checkpoint, publish. With `stop`, waits for the batch (see
         trainer/batch.py) until stopped; without, looks once. False when no step was taken."""
+        if not self.follow_promotion(stop):
+            return False
         batch = self.batches.gather(self.version, stop)
         if batch is None:
             return False
@@ -93,7 +127,8 @@ class Trainer:
             figures = self._train(batch.samples)
             self.version += 1
             path = self._checkpoint()
-            self._record(path, {**figures, **gathered}, batch.samples)
+            self.line = path.resolve()
+            self._record(path, {**figures, **gathered}, batch.samples, batch.session_ids)
             self._publish(path)
         except BaseException:
             self.batches.release(batch)
@@ -101,7 +136,6 @@ class Trainer:
         finally:
             if self.gate:
                 self.gate(False)
-        self._consume(batch.session_ids, self.version)
         return True
 
     def _train(self, samples: list[Sample]) -> dict[str, Any]:
@@ -121,7 +155,8 @@ class Trainer:
                  "base_model": checkpoint.architecture(self.base_dir)}
         return checkpoint.save_version(self.cfg.checkpoint_dir, self.version,
                                        lambda tmp: self.backend.save(tmp, merged=self.serves_merged), self.base_dir,
-                                       state, self.cfg.keep_checkpoints, merged=self.serves_merged)
+                                       state, self.cfg.keep_checkpoints, merged=self.serves_merged,
+                                       protect=self.line)
 
     def close(self) -> None:
         self.backend.close()
@@ -135,10 +170,15 @@ class Trainer:
     def kind(self) -> str:
         return "lora" if self.cfg.lora and not self.serves_merged else "full"
 
-    def _record(self, path: Path, figures: dict[str, Any], samples: list[Sample]) -> None:
+    def _record(self, path: Path, figures: dict[str, Any], samples: list[Sample], session_ids: list[str]) -> None:
+        """Record the version and mark its sessions consumed in one transaction: a trainer killed after
+        this (while publishing, say) leaves no lease to lapse on sessions the recorded version learned
+        from, so the next trainer, resuming from this version, cannot train them a second time."""
         with Session(self.db) as s:
             s.add(Policy(version=self.version, checkpoint=str(path.resolve()), kind=self.kind, metrics=figures))
-            s.commit()
+            s.flush()
+            leases.consume_sessions(s, trainer_id=self.trainer_id, session_ids=session_ids, version=self.version)
+            s.commit()  # consume_sessions committed both, unless it had no sessions to mark
         peaks = [round(m["peak_bytes"] / 2**20) for m in figures.get("memory", [])]
         log.info("version %d: reward %.3f over %d samples of %d sessions (staleness %s, gathered in %.1fs), loss "
                  "%.4f, %.0f tokens/s, peak memory per worker %s MiB; set aside this step %s, in all stale %d, "
@@ -167,6 +207,3 @@ class Trainer:
                 s.add(policy)
                 s.commit()
 
-    def _consume(self, session_ids: list[str], version: int) -> None:
-        with Session(self.db) as s:
-            leases.consume_sessions(s, trainer_id=self.trainer_id, session_ids=session_ids, version=version)

@@ -1,4 +1,5 @@
-"""Policy versions: list them with their training figures, and publish a new one (admin only).
+"""Policy versions: list them with their training figures, publish a new one, and promote or roll back a
+canary by hand (admin only).
 
 A trainer running as its own process (`tracetrain train`) hands each checkpoint to the gateway
 here; the gateway owns the engine, so it loads the weights and switches versions atomically.
@@ -19,10 +20,11 @@ from tracetrain.engines.publishing import Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import leases, queries
 from tracetrain.store.models import Policy
 
-router = APIRouter()
+router = APIRouter(responses=error_responses(401, 403))
 
 
 class PublishRequest(BaseModel):
@@ -45,10 +47,14 @@ async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
             # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
+            # Under canary promotion: the version on trial and its test's latest figures.
+            "promotion": {"mode": gw.config.promotion, "canary": gw.promotion.state()},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 
-@router.post("/v1/policies")
+@router.post("/v1/policies", responses=error_responses(
+    409, 502, described={409: "No publisher, a version not newer than the served one, or a canary on trial",
+                         502: "The engine refused the checkpoint; it still serves the old version"}))
 async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     path = Path(body.checkpoint)
@@ -62,3 +68,52 @@ async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) ->
                        f"{gw.engine.version}: {exc}", code="publish_failed") from exc
     gw.metrics.policy_version.set(gw.engine.version)
     return {"version": gw.engine.version, "published": True}
+
+
+class PromotionRequest(BaseModel):
+    note: str = Field(default="", max_length=2000)
+    """Why, kept with the decision."""
+
+
+class PromotionResponse(BaseModel):
+    version: int
+    promotion: Literal["promoted", "rolled_back"]
+    served_version: int
+    """The version every new session gets now."""
+
+
+async def _decide_by_hand(request: Request, version: int, outcome: Literal["promoted", "rolled_back"],
+                          caller_owner: str | None, note: str) -> PromotionResponse:
+    gw: Gateway = request.app.state.gateway
+    trial = gw.promotion.trial
+    if trial is None or trial.checkpoint.version != version:
+        current = f"version {trial.checkpoint.version} is" if trial else "no version is"
+        raise APIError(409, f"Version {version} is not a canary on this gateway ({current} on trial); only a "
+                       "canary can be promoted or rolled back by hand.", code="not_a_canary")
+    figures = trial.latest.as_dict() if trial.latest else {}
+    decision = {**figures, "by": "admin", "actor": caller_owner, "note": note,
+                "reason": f"{outcome.replace('_', ' ')} by hand"}
+    try:
+        decided = await gw.promotion.decide(version, outcome, decision)
+    except (PublishError, EngineError) as exc:
+        raise APIError(502, f"Applying the decision on version {version} failed: {exc}", code="publish_failed") from exc
+    if not decided:
+        raise APIError(409, f"Version {version} was decided meanwhile.", code="not_a_canary")
+    return PromotionResponse(version=version, promotion=outcome, served_version=gw.engine.version)
+
+
+@router.post("/v1/policies/{version}/promote", response_model=PromotionResponse,
+             responses=error_responses(401, 403, 409, 502))
+async def promote(request: Request, version: int, caller: AdminDep,
+                  body: PromotionRequest | None = None) -> PromotionResponse:
+    """Promote a canary now: every new session gets it (the test's figures so far are kept with it)."""
+    return await _decide_by_hand(request, version, "promoted", caller.owner, body.note if body else "")
+
+
+@router.post("/v1/policies/{version}/rollback", response_model=PromotionResponse,
+             responses=error_responses(401, 403, 409, 502))
+async def rollback(request: Request, version: int, caller: AdminDep,
+                   body: PromotionRequest | None = None) -> PromotionResponse:
+    """Roll a canary back now: no session gets it again, its sessions are set aside (`rolled_back`), and the
+    trainer continues from the incumbent."""
+    return await _decide_by_hand(request, version, "rolled_back", caller.owner, body.note if body else "")

@@ -1,0 +1,180 @@
+"""Canary promotion in one gateway process (`promotion: canary`).
+
+A new version is first *staged*: the engine holds it next to the incumbent, and only the share
+`canary_share` of new sessions is assigned to it (by a hash of the session's named group, else of its
+id, so every process assigns alike). A session keeps the version it started on. Every second the
+canary's test (proxy/sequential.py) runs on the final rewards of the sessions each version began
+since the canary started; its decision is stored (`store/promotion.py`, once, whichever process gets
+there first) and applied: promoted, the canary serves everyone; rolled back, it serves no one again.
+
+The store is the source of truth: every process mirrors it each second, so a decision taken by
+another process or by an admin (`POST /v1/policies/{version}/promote|rollback`) reaches them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from sqlalchemy.engine import Engine as DBEngine
+from sqlmodel import Session
+
+from tracetrain.config import Config
+from tracetrain.engines.base import Engine
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, PublishError
+from tracetrain.proxy import sequential
+from tracetrain.store import promotion as store
+from tracetrain.store.models import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trial:
+    checkpoint: Checkpoint
+    since: datetime
+    latest: sequential.Decision | None = None
+    """The test's figures at its last evaluation."""
+
+
+def assigned_to_canary(key: str, share: float) -> bool:
+    """Whether a new session (by its group or id) belongs to the canary's share: the same in every process."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < share
+
+
+class Promotion:
+    def __init__(self, config: Config, engine: Engine, db: DBEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.db = db
+        self.publisher: CanaryPublisher | None = None
+        self.trial: Trial | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.promotion == "canary"
+
+    def version_for(self, *, new: bool, key: str, pinned: int | None) -> int | None:
+        """The version a call should be served by: None for the engine's current one. A stored session
+        keeps its first call's; a new one gets the canary if it falls in the canary's share."""
+        if not self.enabled:
+            return None
+        if not new:
+            return pinned
+        trial = self.trial
+        if trial is not None and assigned_to_canary(key, self.config.canary_share):
+            return trial.checkpoint.version
+        return None
+
+    # --- publishing and deciding -------------------------------------------------------------------
+
+    async def stage(self, checkpoint: Checkpoint) -> None:
+        """A new version from the trainer starts as a canary."""
+        async with self._lock:
+            if self.trial is not None:
+                raise PublishError(f"version {self.trial.checkpoint.version} is still a canary; promote or roll it "
+                                   "back first")
+            await self._publisher().stage(checkpoint)
+            await asyncio.to_thread(self._write, lambda db: store.mark_published(
+                db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="canary"))
+            policy = await asyncio.to_thread(self._write, lambda db: db.get(Policy, checkpoint.version))
+            self.trial = Trial(checkpoint, policy.canary_since)
+            log.info("version %d is a canary for %.0f%% of new sessions", checkpoint.version,
+                     100 * self.config.canary_share)
+
+    async def decide(self, version: int, outcome: str, decision: dict[str, Any]) -> bool:
+        """Store a decision (False if the canary was decided already) and apply it here."""
+        async with self._lock:
+            decided = await asyncio.to_thread(self._write, lambda db: store.decide(
+                db, version=version, outcome=outcome, decision=decision))
+            if decided:
+                log.warning("version %d %s: %s", version, outcome.replace("_", " "), decision.get("reason"))
+                await self._apply(version, outcome)
+            return decided
+
+    async def evaluate(self) -> sequential.Decision | None:
+        """Run the test on the rewards so far; decide when it says so."""
+        trial = self.trial
+        if trial is None:
+            return None
+        canary_v, incumbent_v, since = trial.checkpoint.version, self.engine.version, trial.since
+
+        def rewards(db: Session) -> tuple[list[float], list[float]]:
+            return (store.arm_rewards(db, version=canary_v, since=since),
+                    store.arm_rewards(db, version=incumbent_v, since=since))
+
+        canary_r, incumbent_r = await asyncio.to_thread(self._write, rewards)
+        c = self.config
+        result = sequential.decide(canary_r, incumbent_r, margin=c.canary_margin, alpha=c.canary_alpha,
+                                   min_sessions=c.canary_min_sessions, max_sessions=c.canary_max_sessions)
+        trial.latest = result
+        if result.outcome != "wait":
+            outcome = "promoted" if result.outcome == "promote" else store.ROLLED_BACK
+            await self.decide(canary_v, outcome, {"by": "test", "incumbent_version": incumbent_v,
+                                                  **result.as_dict()})
+        return result
+
+    async def follow(self) -> None:
+        """Mirror the store: a canary staged or decided by another process, a version promoted elsewhere."""
+        def read(db: Session) -> tuple[Policy | None, Policy | None, Policy | None]:
+            trial = self.trial
+            return (store.incumbent(db), store.canary(db),
+                    db.get(Policy, trial.checkpoint.version) if trial is not None else None)
+
+        incumbent, canary, ours = await asyncio.to_thread(self._write, read)
+        async with self._lock:
+            if self.trial is not None and ours is not None and ours.promotion != "canary":
+                await self._apply(self.trial.checkpoint.version, str(ours.promotion))
+            if incumbent is not None and incumbent.version > self.engine.version and incumbent.checkpoint:
+                await self._publisher().promote(_checkpoint(incumbent))
+            if canary is not None and self.trial is None and canary.canary_since is not None and \
+                    canary.version > self.engine.version and canary.checkpoint:
+                await self._publisher().stage(_checkpoint(canary))
+                self.trial = Trial(_checkpoint(canary), canary.canary_since)
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.follow()
+                await self.evaluate()
+            except Exception as exc:  # the store or an engine briefly away: try again next round
+                log.warning("canary promotion: %s", exc)
+
+    def state(self) -> dict[str, Any] | None:
+        """The canary on trial with the test's latest figures, for `GET /v1/policies`."""
+        trial = self.trial
+        if trial is None:
+            return None
+        return {"version": trial.checkpoint.version, "since": trial.since.isoformat(),
+                "share": self.config.canary_share,
+                "test": trial.latest.as_dict() if trial.latest else None}
+
+    async def _apply(self, version: int, outcome: str) -> None:
+        trial = self.trial
+        if trial is None or trial.checkpoint.version != version:
+            return
+        if outcome == "promoted":
+            await self._publisher().promote(trial.checkpoint)
+        else:
+            await self._publisher().retire(version)
+        self.trial = None
+
+    def _publisher(self) -> CanaryPublisher:
+        if self.publisher is None:
+            raise PublishError("this gateway has no publisher")
+        return self.publisher
+
+    def _write(self, fn: Any) -> Any:
+        with Session(self.db, expire_on_commit=False) as db:
+            return fn(db)
+
+
+def _checkpoint(policy: Policy) -> Checkpoint:
+    return Checkpoint(policy.version, Path(cast(str, policy.checkpoint)), cast(Any, policy.kind))

@@ -1,0 +1,86 @@
+"""Which versions serve, as the store records it: every gateway process on the store follows this.
+
+A published version is `immediate` (everyone gets it at once) or, under canary promotion, a `canary`
+until it is `promoted` or `rolled_back`. The incumbent is the newest `immediate` or `promoted` one.
+
+A rolled-back version's sessions are not trained on: they are set aside with the reason `rolled_back`
+(kept in the store, counted by `GET /v1/policies`, exported like any other), because they sample a
+policy the trainer no longer continues from.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import update
+from sqlmodel import Session, col, false, select
+
+from tracetrain.store.models import AgentSession, Policy, utcnow
+
+SERVING = ("immediate", "promoted")
+ROLLED_BACK = "rolled_back"
+
+
+def incumbent(db: Session) -> Policy | None:
+    """The newest version served to everyone (None: the base model)."""
+    query = select(Policy).where(col(Policy.promotion).in_(SERVING)).order_by(col(Policy.version).desc())
+    return db.exec(query.limit(1)).first()
+
+
+def canary(db: Session) -> Policy | None:
+    """The version on trial, if any (the newest, should two have been staged)."""
+    query = select(Policy).where(Policy.promotion == "canary").order_by(col(Policy.version).desc())
+    return db.exec(query.limit(1)).first()
+
+
+def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str) -> None:
+    """Record that `version` now serves as `immediate` or `canary`. A canary needs a row for its decision,
+    made here if the trainer made none; an immediate version is recorded by its trainer."""
+    policy = db.get(Policy, version)
+    if policy is None:
+        if promotion != "canary":
+            return
+        policy = Policy(version=version, checkpoint=str(checkpoint), kind=kind)
+    policy.promotion = promotion
+    policy.published_at = policy.published_at or utcnow()
+    if promotion == "canary":
+        policy.canary_since = utcnow()
+    db.add(policy)
+    db.commit()
+
+
+def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
+    """Final rewards of the sessions that began on `version` at or after `since` (excluded ones left out)."""
+    query = select(AgentSession.reward).where(
+        AgentSession.policy_version == version, col(AgentSession.created_at) >= since,
+        AgentSession.status == "final", col(AgentSession.reward).is_not(None),
+        col(AgentSession.excluded).is_(false()))
+    return [float(r) for r in db.exec(query).all() if r is not None]
+
+
+def decide(db: Session, *, version: int, outcome: str, decision: dict[str, Any]) -> bool:
+    """Promote or roll back a canary, once: False when it was decided already (another gateway process,
+    an admin). Rolling back sets its unconsumed sessions aside."""
+    if outcome not in ("promoted", ROLLED_BACK):
+        raise ValueError(f"unknown canary outcome {outcome!r}")
+    decided = db.execute(
+        update(Policy).where(col(Policy.version) == version, col(Policy.promotion) == "canary")
+        .values(promotion=outcome, decided_at=utcnow(), decision=decision)
+        .execution_options(synchronize_session=False)).rowcount == 1  # type: ignore[attr-defined]
+    if decided and outcome == ROLLED_BACK:
+        db.execute(update(AgentSession).where(
+            col(AgentSession.policy_version) == version, col(AgentSession.trained_version).is_(None),
+            col(AgentSession.skip_reason).is_(None)).values(skip_reason=ROLLED_BACK)
+            .execution_options(synchronize_session=False))
+    db.commit()
+    return decided
+
+
+def undecided(db: Session, *, version: int) -> bool:
+    """Whether `version` is still a canary (the trainer waits for the decision before its next step)."""
+    policy = db.get(Policy, version)
+    if policy is not None:
+        db.refresh(policy)
+    return policy is not None and policy.promotion == "canary"

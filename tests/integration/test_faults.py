@@ -242,6 +242,13 @@ def stored(db_url: str) -> tuple[set[str], set[str]]:
         db.dispose()
 
 
+def losses(load: Load, db_url: str) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(answered calls, acknowledged rewards, and of each those the store does not hold)."""
+    calls, rewards = stored(db_url)
+    answered, acknowledged = load.answered("plain", "stream"), load.answered("reward")
+    return answered, acknowledged, answered - calls, acknowledged - rewards
+
+
 def _stop_gateway(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.terminate()
@@ -301,9 +308,7 @@ async def test_postgres_restarted_under_load(tiny_model_path: Path, restartable_
     alive = gateway.poll() is None
     _stop_gateway(gateway)
 
-    calls, rewards = stored(db_url)
-    answered, acknowledged = load.answered("plain", "stream"), load.answered("reward")
-    lost_calls, lost_rewards = answered - calls, acknowledged - rewards
+    answered, acknowledged, lost_calls, lost_rewards = losses(load, db_url)
     refused = load.refused()
     print(f"\nPostgreSQL restart: the client saw {load.summary()} (refusals: "
           f"{dict(Counter(s.code for s in refused))}, {sum(s.mid_stream for s in refused)} of them as a stream's "
@@ -386,13 +391,11 @@ async def test_disk_full_under_load(tiny_model_path: Path, small_disk: Path, tmp
     alive = gateway.poll() is None
     _stop_gateway(gateway)
 
-    calls, rewards = stored(db_url)
     check = open_engine(db_url)
     with check.connect() as conn:
         integrity = conn.execute(text("PRAGMA integrity_check")).scalar()
     check.dispose()
-    answered, acknowledged = load.answered("plain", "stream"), load.answered("reward")
-    lost_calls, lost_rewards = answered - calls, acknowledged - rewards
+    answered, acknowledged, lost_calls, lost_rewards = losses(load, db_url)
     refused = load.refused()
     print(f"\ndisk full: filled the last {filled // 1024} KiB of an 8 MiB tmpfs; the client saw {load.summary()} "
           f"(refusals: {dict(Counter(s.code for s in refused))}, {sum(s.mid_stream for s in refused)} of them as a "
@@ -657,9 +660,7 @@ async def test_vllm_killed_under_load(smollm2_path: Path, tmp_path: Path) -> Non
     finally:
         _stop_gateway(gateway)
 
-    calls, rewards = stored(db_url)
-    answered, acknowledged = load.answered("plain", "stream"), load.answered("reward")
-    lost_calls, lost_rewards = answered - calls, acknowledged - rewards
+    answered, acknowledged, lost_calls, lost_rewards = losses(load, db_url)
     refused = load.refused()
     print(f"\nvLLM killed: first start {first_start_s:.0f} s; the client saw {load.summary()} (refusals: "
           f"{dict(Counter((s.status, s.code) for s in refused))}, {sum(s.mid_stream for s in refused)} of them as a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,25 +37,24 @@ class InProcessPublisher:
         self._lock = asyncio.Lock()
 
     async def publish(self, checkpoint: Checkpoint) -> None:
-        async with self._lock:
-            state_dict = await asyncio.to_thread(self.load_state_dict, checkpoint)
-            try:
-                await self.engine.swap_weights(state_dict, checkpoint.version)
-            except (ValueError, RuntimeError) as exc:
-                raise PublishError(f"swapping in version {checkpoint.version} failed: {exc}") from exc
-        log.info("serving version %d (%s) from %s", checkpoint.version, checkpoint.kind, checkpoint.path)
+        await self._hand_over(checkpoint, self.engine.swap_weights, "serving")
 
     # --- canary promotion -------------------------------------------------------------------------
 
     async def stage(self, checkpoint: Checkpoint) -> None:
         """Hold a version next to the served one, for the sessions assigned to it."""
+        await self._hand_over(checkpoint, self.engine.stage_weights, "holding as a canary")
+
+    async def _hand_over(self, checkpoint: Checkpoint, apply: Callable[[dict[str, torch.Tensor], int], Awaitable[None]],
+                         what: str) -> None:
+        """Load the checkpoint off the event loop, then let the engine take it on its worker thread."""
         async with self._lock:
             state_dict = await asyncio.to_thread(self.load_state_dict, checkpoint)
             try:
-                await self.engine.stage_weights(state_dict, checkpoint.version)
+                await apply(state_dict, checkpoint.version)
             except (ValueError, RuntimeError) as exc:
-                raise PublishError(f"staging version {checkpoint.version} failed: {exc}") from exc
-        log.info("holding version %d (%s) from %s as a canary", checkpoint.version, checkpoint.kind, checkpoint.path)
+                raise PublishError(f"{what} version {checkpoint.version} failed: {exc}") from exc
+        log.info("%s version %d (%s) from %s", what, checkpoint.version, checkpoint.kind, checkpoint.path)
 
     async def promote(self, checkpoint: Checkpoint) -> None:
         if self.engine.holds(checkpoint.version):

@@ -99,8 +99,9 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
         mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"
     engines = [r.engine for r in engine.replicas]
     if mode == "lora":
-        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines])
-    return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines])
+        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines], canary_share=config.canary_share)
+    return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines],
+                            canary_share=config.canary_share)
 
 
 def serve(config: Config, *, train: bool = False) -> None:

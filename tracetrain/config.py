@@ -266,7 +266,8 @@ class Config(BaseSettings):
     `canary`: a new version first serves `canary_share` of *new* sessions next to the incumbent (a
     session keeps the version it started on); it is promoted when its sessions' final rewards are not
     worse than the incumbent's over the same period and rolled back when they are (proxy/promotion.py).
-    Needs both versions in one engine: LoRA publishing with vLLM, or the in-process engine."""
+    With LoRA both adapters are loaded in every vLLM; with full weights the canary takes a subset of the
+    replicas (two or more needed); the in-process engine holds both weight sets."""
     canary_share: float = Field(default=0.2, gt=0, lt=1)
     """Share of new sessions a canary version serves."""
     canary_min_sessions: int = Field(default=20, ge=2)
@@ -315,12 +316,14 @@ class Config(BaseSettings):
                              "train.publish: none: a full-weight reload cannot switch every process's version "
                              "label at the same moment")
         if self.promotion == "canary":
-            if self.train.publish == "auto" and self.train.lora and self.engine != "transformers":
+            engines = len(self.engine_url) or self.replicas
+            if self.train.publish == "auto" and self.train.lora and self.engine != "transformers" and engines == 1:
                 self.train.publish = "lora"  # both versions in one vLLM: only adapters make that possible
-            if self.engine != "transformers" and self._publishes_full_weights():
-                raise ValueError("promotion: canary with vLLM needs LoRA publishing (train.lora and train.publish: "
-                                 "lora): the canary and the incumbent are two adapters in the same server. Full "
-                                 "weights would need a subset of the replicas for the canary, which is not built")
+            if self.engine != "transformers" and self._publishes_full_weights() and engines == 1:
+                raise ValueError("promotion: canary with full weights needs two or more vLLM replicas (--replicas 2, "
+                                 "or several --engine-url): the canary is loaded into some of them while the rest "
+                                 "serve the incumbent. On one server, use LoRA publishing (train.lora and "
+                                 "train.publish: lora): both adapters then live in it")
             if self.canary_max_sessions < self.canary_min_sessions:
                 raise ValueError(f"canary_max_sessions ({self.canary_max_sessions}) below canary_min_sessions "
                                  f"({self.canary_min_sessions})")

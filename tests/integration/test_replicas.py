@@ -231,3 +231,79 @@ def test_beyond_the_bound_requests_wait_then_get_429(replicated: RunningGateway)
     assert busy.json()["error"]["code"] == "engine_busy" and busy.json()["error"]["type"] == "rate_limit_error"
     stored = {c.session_id for c in stored_calls(replicated)}
     assert {f"burst-{i}" for i, s in enumerate(statuses) if s == 200} <= stored
+
+
+def _reload_base(url: str, model_dir: Path) -> None:
+    """Put a server's original weights back (the servers are shared with later test modules)."""
+    from tracetrain.engines.vllm_server import http_client
+
+    with http_client(url, timeout=300) as client:
+        client.post("/pause", params={"mode": "wait"})
+        try:
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}}
+            assert client.post("/collective_rpc", json=body).status_code == 200
+            client.post("/reset_prefix_cache")
+        finally:
+            client.post("/resume")
+
+
+def test_a_full_weight_canary_takes_a_replica_and_leaves_it_on_rollback(
+        vllm_server: RunningVLLM, second_server: VLLMServer, smollm2_path: Path, tmp_path: Path) -> None:
+    """Canary promotion with full weights: the canary is reloaded into one replica of two, only the sessions
+    assigned to it go there (and all of them do), a rollback reloads the incumbent into it, a promotion
+    reloads the canary into the rest."""
+    from tests.integration.test_publish import load_model, save_full
+    from tracetrain.engines.vllm_publish import VLLMReloadPublisher
+    from tracetrain.proxy.promotion import assigned_to_canary
+
+    replicas = ReplicaSet([Replica(VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120)),
+                           Replica(VLLMEngine(second_server.url, vllm_server.model_name, timeout=120))],
+                          health_interval_s=0.5)
+
+    def attach(gateway: Any) -> None:
+        gateway.publisher = ReplicaPublisher(replicas, [VLLMReloadPublisher(r.engine, smollm2_path)
+                                                        for r in replicas.replicas], canary_share=0.5)
+
+    canary_dir, _ = save_full(load_model(smollm2_path), smollm2_path, tmp_path / "v1", seed=5)
+    running = start_gateway(replicas, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", prepare=attach,
+                            promotion="canary", canary_share=0.5, canary_min_sessions=1000,
+                            canary_max_sessions=1000)  # decided by hand here
+    urls = [vllm_server.url, second_server.url]
+    try:
+        published = httpx.post(f"{running.url}/v1/policies", timeout=300,
+                               json={"version": 1, "checkpoint": str(canary_dir), "kind": "full"})
+        assert published.status_code == 200, published.text
+        state = httpx.get(f"{running.url}/v1/replicas").json()
+        assert [r["canary"] for r in state["data"]] == [False, True]
+        assert [r["version"] for r in state["data"]] == [0, 1]
+
+        sessions = [f"full-{i}" for i in range(12)]
+        for session in sessions:
+            response = chat(running, session, [{"role": "user", "content": "Hi"}], max_tokens=4)
+            assert response.status_code == 200, response.text
+            expected = 1 if assigned_to_canary(session, 0.5) else 0
+            assert response.headers["X-Policy-Version"] == str(expected), session
+        by_session = {c.session_id: c for c in stored_calls(running)}
+        for session in sessions:  # each arm on its own replica
+            call = by_session[session]
+            assert call.request_params["replica"] == urls[call.policy_version], (session, call.request_params)
+        assert {by_session[s].policy_version for s in sessions} == {0, 1}
+
+        rolled = httpx.post(f"{running.url}/v1/policies/1/rollback", timeout=300)
+        assert rolled.status_code == 200 and rolled.json()["served_version"] == 0, rolled.text
+        state = httpx.get(f"{running.url}/v1/replicas").json()
+        assert [(r["canary"], r["version"]) for r in state["data"]] == [(False, 0), (False, 0)]
+        canary_session = next(s for s in sessions if by_session[s].policy_version == 1)
+        again = chat(running, canary_session, [{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert again.headers["X-Policy-Version"] == "0"
+
+        assert httpx.post(f"{running.url}/v1/policies", timeout=300,
+                          json={"version": 2, "checkpoint": str(canary_dir), "kind": "full"}).status_code == 200
+        promoted = httpx.post(f"{running.url}/v1/policies/2/promote", timeout=300)
+        assert promoted.status_code == 200 and promoted.json()["served_version"] == 2, promoted.text
+        state = httpx.get(f"{running.url}/v1/replicas").json()
+        assert [(r["canary"], r["version"]) for r in state["data"]] == [(False, 2), (False, 2)]
+    finally:
+        running.stop()
+        for url in urls:
+            _reload_base(url, smollm2_path)

@@ -141,3 +141,14 @@ def test_several_gateway_workers_publish_lora_or_are_refused() -> None:
                 {"engine": "transformers", "train": {"publish": "lora"}}):
         with pytest.raises(ValidationError, match="gateway_workers > 1"):
             load_config(gateway_workers=2, **bad)
+
+
+def test_canary_promotion_needs_both_versions_in_the_engines() -> None:
+    assert Config(promotion="canary").train.publish == "lora"  # one vLLM: two adapters side by side
+    with pytest.raises(ValueError, match="two or more vLLM replicas"):
+        Config(promotion="canary", train={"publish": "reload"})
+    two = Config(promotion="canary", replicas=2, train={"publish": "reload"})  # a replica each
+    assert two.train.publish == "reload"
+    assert Config(promotion="canary", engine="transformers", train={"publish": "inprocess"}).promotion == "canary"
+    with pytest.raises(ValueError, match="canary_max_sessions"):
+        Config(promotion="canary", canary_min_sessions=50, canary_max_sessions=20)

@@ -30,11 +30,14 @@ class ReplicaPublisher:
     pauses_engine = False
     """Full-weight reloads drain one replica at a time instead of holding every generation."""
 
-    def __init__(self, replicas: ReplicaSet, publishers: list[VLLMLoRAPublisher] | list[VLLMReloadPublisher]) -> None:
+    def __init__(self, replicas: ReplicaSet, publishers: list[VLLMLoRAPublisher] | list[VLLMReloadPublisher], *,
+                 canary_share: float = 0.2) -> None:
         if len(publishers) != len(replicas.replicas):
             raise ValueError("one publisher per replica")
         self.replicas = replicas
         self.publishers = publishers
+        self.canary_share = canary_share
+        """Full weights: the share of replicas (at least one, never all) a canary is loaded into."""
         self.latest: Checkpoint | None = None
         """The last version published, which a rejoining replica catches up to."""
         self.canary: Checkpoint | None = None
@@ -79,13 +82,19 @@ class ReplicaPublisher:
         async with self._lock:
             if self.latest is not None:
                 await self.publishers[index].publish(self.latest)
-            if self.canary is not None:
+            if self.canary is not None and self.canary.kind == "lora":
                 await self._lora()[index].stage(self.canary)
+            self.replicas.canary.discard(index)  # full weights: it came back with the incumbent's
 
     # --- canary promotion (LoRA only: both versions in every replica) -------------------------------
 
     async def stage(self, checkpoint: Checkpoint) -> None:
-        """Load a canary into every replica in service; a replica that fails is taken out."""
+        """LoRA: load a canary into every replica in service; a replica that fails is taken out. Full
+        weights: reload a subset of the replicas with it (`canary_share` of them, at least one, never all):
+        the replica set routes only the canary's sessions there."""
+        if checkpoint.kind == "full":
+            await self._stage_full(checkpoint)
+            return
         async with self._lock:
             lora = self._lora()
             targets = [i for i, up in enumerate(self.replicas.router.up) if up]
@@ -99,6 +108,14 @@ class ReplicaPublisher:
             self.canary = checkpoint
 
     async def promote(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.kind == "full":
+            async with self._lock:
+                others = [i for i, up in enumerate(self.replicas.router.up) if up and i not in self.replicas.canary]
+                self.replicas.canary.clear()  # the canary's replicas serve everyone from now on
+                self.replicas.canary_version = None
+                await self._publish_rolling(checkpoint, others)
+                self.latest, self.canary = checkpoint, None
+            return
         async with self._lock:
             lora = self._lora()
             targets = [i for i, up in enumerate(self.replicas.router.up) if up]
@@ -112,8 +129,36 @@ class ReplicaPublisher:
 
     async def retire(self, version: int) -> None:
         async with self._lock:
-            await asyncio.gather(*(p.retire(version) for p in self._lora()), return_exceptions=True)
+            if self.canary is not None and self.canary.kind == "full":
+                # Back to the incumbent's weights; the replicas take no incumbent traffic until then.
+                await self._publish_rolling(self._incumbent(), sorted(self.replicas.canary))
+                self.replicas.canary.clear()
+                self.replicas.canary_version = None
+            else:
+                await asyncio.gather(*(p.retire(version) for p in self._lora()), return_exceptions=True)
             self.canary = None
+
+    async def _stage_full(self, checkpoint: Checkpoint) -> None:
+        async with self._lock:
+            up = [i for i, u in enumerate(self.replicas.router.up) if u]
+            if len(up) < 2:
+                raise PublishError("a full-weight canary needs two replicas in service: one keeps serving the "
+                                   "incumbent")
+            subset = up[-max(1, min(len(up) - 1, round(self.canary_share * len(up)))):]
+            self.replicas.canary, self.replicas.canary_version = set(subset), checkpoint.version
+            failures = await self._publish_rolling(checkpoint, subset)
+            self.replicas.canary -= set(failures)
+            if not self.replicas.canary:
+                self.replicas.canary_version = None
+                raise PublishError("; ".join(failures.values()))
+            self.canary = checkpoint
+
+    def _incumbent(self) -> Checkpoint:
+        """What the replicas outside a full-weight canary serve: the last version published, or the base."""
+        if self.latest is not None:
+            return self.latest
+        base = cast(list[VLLMReloadPublisher], self.publishers)[0].server_model_dir
+        return Checkpoint(self.replicas.version, base, "full")
 
     def _lora(self) -> list[VLLMLoRAPublisher]:
         if not all(isinstance(p, VLLMLoRAPublisher) for p in self.publishers):

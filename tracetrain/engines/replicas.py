@@ -86,6 +86,10 @@ class ReplicaSet:
         """Recent replica events, newest last (shown by `GET /v1/replicas`)."""
         self.catch_up: Callable[[int], Awaitable[None]] | None = None
         """Brings a rejoining replica to the served version before it takes calls (ReplicaPublisher)."""
+        self.canary: set[int] = set()
+        """Replicas holding a full-weight canary (canary promotion): only requests that ask for its version
+        go there, and those go nowhere else while one of them is in service."""
+        self.canary_version: int | None = None
         self._waiters = _Waiters()
         self._health: asyncio.Task[None] | None = None
 
@@ -94,15 +98,17 @@ class ReplicaSet:
     @property
     def version(self) -> int:
         """The newest version any replica in service serves (each call records its own replica's)."""
-        serving = [r.engine.version for i, r in enumerate(self.replicas) if self.router.up[i]]
-        return max(serving or [r.engine.version for r in self.replicas])
+        serving = [r.engine.version for i, r in enumerate(self.replicas) if self.router.up[i] and i not in self.canary]
+        return max(serving or [r.engine.version for i, r in enumerate(self.replicas) if i not in self.canary]
+                   or [r.engine.version for r in self.replicas])
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         self.start()
         tried: set[int] = set()
+        other_arm = self._other_arm(params.version)
         while True:
-            route = await self._acquire(affinity, tried)
+            route = await self._acquire(affinity, tried | other_arm)
             replica = self.replicas[route.replica]
             produced = False
             try:
@@ -129,6 +135,16 @@ class ReplicaSet:
                 await self._health
         for replica in self.replicas:
             await replica.engine.close()
+
+    def _other_arm(self, version: int | None) -> set[int]:
+        """Replicas a request must not go to while a full-weight canary holds some of them."""
+        if not self.canary:
+            return set()
+        if version is not None and version == self.canary_version:
+            if any(self.router.up[i] for i in self.canary):
+                return set(range(len(self.replicas))) - self.canary
+            return set()  # no canary replica in service: the session goes on with the incumbent
+        return set(self.canary)
 
     # --- state ---------------------------------------------------------------------------------------------
 
@@ -158,7 +174,7 @@ class ReplicaSet:
                      self.replicas[index].engine.version)
 
     def state(self) -> list[dict[str, Any]]:
-        return [{"replica": r.url, "up": self.router.up[i], "version": r.engine.version,
+        return [{"replica": r.url, "up": self.router.up[i], "version": r.engine.version, "canary": i in self.canary,
                  "outstanding": self.router.outstanding[i], "reason": r.reason,
                  "self_started": r.server is not None} for i, r in enumerate(self.replicas)]
 

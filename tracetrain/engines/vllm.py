@@ -100,7 +100,10 @@ class VLLMEngine:
         a request to its adapter on arrival."""
         self.served_model = adapter or self.model_name
         self.version = version
-        self.adapters[version] = adapter
+        if adapter is None:  # new full weights (or a fresh server): no other version is held any more
+            self.adapters = {version: None}
+        else:
+            self.adapters[version] = adapter
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:

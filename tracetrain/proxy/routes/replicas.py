@@ -25,6 +25,8 @@ class ReplicaState(BaseModel):
     """Why it is out of service, while it is."""
     self_started: bool
     """Whether the gateway started it (and restarts it when it exits)."""
+    canary: bool = False
+    """Whether it holds a full-weight canary (canary promotion): only that version's sessions go there."""
 
 
 class ReplicaEventPublic(BaseModel):

@@ -232,6 +232,29 @@ async def test_lora_publish_serves_the_adapter(engine, smollm2, prompt, lora_dir
 
 
 @vllm
+async def test_a_canary_adapter_serves_next_to_the_current_one(engine, smollm2, prompt, lora_dirs):
+    """Canary promotion with LoRA: both adapters in one vLLM; a request asking for the canary's version gets
+    its weights (logprobs match the merged model), every other request the current version's. (Placed before
+    the full-weight reload tests: they change the server's base weights until the module ends.)"""
+    publisher = VLLMLoRAPublisher(engine, prefix="canary")
+    await publisher.publish(Checkpoint(1, lora_dirs[0], "lora"))
+    await publisher.stage(Checkpoint(2, lora_dirs[1], "lora"))
+    assert engine.version == 1
+    on_canary = await generate(engine, prompt, replace(GREEDY, version=2))
+    assert {d.version for d in on_canary} == {2}
+    expected = hf_logprobs(merged_lora(smollm2, lora_dirs[1]), prompt + token_ids(on_canary), len(prompt))
+    assert max_diff(sampled_logprobs(on_canary), expected) < LOGPROB_TOLERANCE  # version 2's weights sampled them
+    current = await generate(engine, prompt)
+    assert {d.version for d in current} == {1} and token_ids(current) != token_ids(on_canary)
+
+    await publisher.retire(2)  # rolled back: asking for it gets the current version
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, version=2))} == {1}
+    await publisher.stage(Checkpoint(3, lora_dirs[2], "lora"))
+    await publisher.promote(Checkpoint(3, lora_dirs[2], "lora"))
+    assert (engine.version, engine.served_model) == (3, "canary-v3")
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, version=1))} == {1}  # still held
+
+@vllm
 async def test_lora_requests_in_flight_survive_publishes_and_unloads(engine, prompt, lora_dirs, vllm_server):
     publisher = VLLMLoRAPublisher(engine, prefix="flight")
     await publisher.publish(Checkpoint(1, lora_dirs[0], "lora"))
@@ -431,25 +454,3 @@ async def test_in_process_requests_in_flight_all_finish(tiny, tiny_base, tmp_pat
     results = await run_during(tiny, TINY_PROMPT, publish, max_tokens=64, started_before=1)
     assert_all_finished(results, max_tokens=64)
 
-
-@vllm
-async def test_a_canary_adapter_serves_next_to_the_current_one(engine, smollm2, prompt, lora_dirs):
-    """Canary promotion with LoRA: both adapters in one vLLM; a request asking for the canary's version gets
-    its weights (logprobs match the merged model), every other request the current version's."""
-    publisher = VLLMLoRAPublisher(engine, prefix="canary")
-    await publisher.publish(Checkpoint(1, lora_dirs[0], "lora"))
-    await publisher.stage(Checkpoint(2, lora_dirs[1], "lora"))
-    assert engine.version == 1
-    on_canary = await generate(engine, prompt, replace(GREEDY, version=2))
-    assert {d.version for d in on_canary} == {2}
-    expected = hf_logprobs(merged_lora(smollm2, lora_dirs[1]), prompt + token_ids(on_canary), len(prompt))
-    assert max_diff(sampled_logprobs(on_canary), expected) < LOGPROB_TOLERANCE  # version 2's weights sampled them
-    current = await generate(engine, prompt)
-    assert {d.version for d in current} == {1} and token_ids(current) != token_ids(on_canary)
-
-    await publisher.retire(2)  # rolled back: asking for it gets the current version
-    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, version=2))} == {1}
-    await publisher.stage(Checkpoint(3, lora_dirs[2], "lora"))
-    await publisher.promote(Checkpoint(3, lora_dirs[2], "lora"))
-    assert (engine.version, engine.served_model) == (3, "canary-v3")
-    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, version=1))} == {1}  # still held

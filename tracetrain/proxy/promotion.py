@@ -81,10 +81,9 @@ class Promotion:
                 raise PublishError(f"version {self.trial.checkpoint.version} is still a canary; promote or roll it "
                                    "back first")
             await self._publisher().stage(checkpoint)
-            await asyncio.to_thread(self._write, lambda db: store.mark_published(
+            since = await asyncio.to_thread(self._write, lambda db: store.mark_published(
                 db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="canary"))
-            policy = await asyncio.to_thread(self._write, lambda db: db.get(Policy, checkpoint.version))
-            self.trial = Trial(checkpoint, policy.canary_since)
+            self.trial = Trial(checkpoint, since)
             log.info("version %d is a canary for %.0f%% of new sessions", checkpoint.version,
                      100 * self.config.canary_share)
 

@@ -35,13 +35,14 @@ def canary(db: Session) -> Policy | None:
     return db.exec(query.limit(1)).first()
 
 
-def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str) -> None:
-    """Record that `version` now serves as `immediate` or `canary`. A canary needs a row for its decision,
-    made here if the trainer made none; an immediate version is recorded by its trainer."""
+def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str) -> datetime | None:
+    """Record that `version` now serves as `immediate` or `canary`; returns a canary's start. A canary needs
+    a row for its decision, made here if the trainer made none; an immediate version is recorded by its
+    trainer."""
     policy = db.get(Policy, version)
     if policy is None:
         if promotion != "canary":
-            return
+            return None
         policy = Policy(version=version, checkpoint=str(checkpoint), kind=kind)
     policy.promotion = promotion
     policy.published_at = policy.published_at or utcnow()
@@ -49,6 +50,7 @@ def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, pr
         policy.canary_since = utcnow()
     db.add(policy)
     db.commit()
+    return policy.canary_since
 
 
 def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
@@ -77,10 +79,3 @@ def decide(db: Session, *, version: int, outcome: str, decision: dict[str, Any])
     db.commit()
     return decided
 
-
-def undecided(db: Session, *, version: int) -> bool:
-    """Whether `version` is still a canary (the trainer waits for the decision before its next step)."""
-    policy = db.get(Policy, version)
-    if policy is not None:
-        db.refresh(policy)
-    return policy is not None and policy.promotion == "canary"

@@ -181,6 +181,8 @@ class Target:
     port: int
     via_gateway: bool
     api: Api
+    meter: str = "gateway"
+    """Whose CPU the target's phases charge: `gateway`, or `baseline` for the `--baseline-src` gateway."""
 
     def path(self, session: str) -> str:
         return f"/s/{session}{self.api.path}" if self.via_gateway else self.api.path
@@ -203,6 +205,8 @@ class Stats:
     errors: Counter[str] = field(default_factory=Counter)
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds each process (gateway, upstream, loadgen) spent during this target's phases."""
+    phase_cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+    """Each phase's CPU ms per request, by process: the spread across rounds."""
 
     @property
     def rps(self) -> float:
@@ -217,6 +221,10 @@ class Stats:
 
     def tokens_per_request(self) -> float:
         return sum(s.completion_tokens for s in self.samples) / max(1, len(self.samples))
+
+    def cpu_spread(self, process: str) -> str:
+        values = self.phase_cpu_ms.get(process) or []
+        return f"{min(values):.2f}–{max(values):.2f}" if len(values) > 1 else ""
 
     def cpu_ms_per_request(self, process: str) -> float:
         if not self.samples or process not in self.cpu_s:
@@ -282,18 +290,22 @@ class LoadRunner:
                     finally:
                         self.done += 1
                     stats.samples.append(Sample(reply.latency_s, reply.first_token_s, completion_id, tokens))
-                    if target.via_gateway:
+                    if target.via_gateway and target.meter == "gateway":  # the store checked afterwards
                         self.received.add(completion_id)
                     conversation.advance(text)
             finally:
                 await conn.close()
 
         cpu_before = {name: meter() for name, meter in self.meters.items()}
-        started = time.perf_counter()
+        started, answered = time.perf_counter(), len(stats.samples)
         await asyncio.gather(*(client() for _ in range(concurrency)))
         stats.wall_s += time.perf_counter() - started
+        answered = len(stats.samples) - answered
         for name, meter in self.meters.items():
-            stats.cpu_s[name] = stats.cpu_s.get(name, 0.0) + meter() - cpu_before[name]
+            spent = meter() - cpu_before[name]
+            stats.cpu_s[name] = stats.cpu_s.get(name, 0.0) + spent
+            if answered:
+                stats.phase_cpu_ms.setdefault(name, []).append(1000 * spent / answered)
         if remaining > 0:
             stats.errors[f"phase deadline ({self.plan.phase_timeout_s:.0f} s) hit: {remaining} not sent"] += 1
 
@@ -511,7 +523,7 @@ def _mode(stream: bool) -> str:
 
 
 def report(
-    results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: str, apis: list[str]
+    results: dict[Key, Stats], plan: Plan, check: StoreCheck, upstream: str, vias: list[Target]
 ) -> list[ResultTable]:
     summary = ResultTable(
         f"Gateway overhead vs direct ({upstream} upstream; direct is always its chat completions)",
@@ -543,6 +555,7 @@ def report(
             "TTFT p99 ms",
             "tokens/req",
             "CPU gateway",
+            "gateway CPU min–max over rounds",
             "CPU upstream",
             "CPU loadgen",
         ],
@@ -550,22 +563,23 @@ def report(
     for stream in plan.streams:
         for c in plan.concurrencies:
             d = results[(stream, c, "direct")]
-            for api in apis:
-                g = results[(stream, c, gateway_name(api))]
+            for via in vias:
+                g = results[(stream, c, via.name)]
                 summary.add(
                     _mode(stream),
                     c,
-                    api,
+                    via.name.removeprefix("gateway "),
                     _rate(d.rps),
                     _rate(g.rps),
                     f"{g.rps / d.rps:.0%}" if d.rps else "n/a",
                     _ms(g.latency_ms(50) - d.latency_ms(50)),
                     _ms(g.latency_ms(99) - d.latency_ms(99)),
                     _ms(g.ttft_ms(50) - d.ttft_ms(50)) if stream else "",
-                    _ms(g.cpu_ms_per_request("gateway")),
+                    _ms(g.cpu_ms_per_request(via.meter)),
                     f"{sum(d.errors.values())}/{sum(g.errors.values())}",
                 )
-            for name in ["direct", *map(gateway_name, apis)]:
+            meters = {via.name: via.meter for via in vias}
+            for name in ["direct", *meters]:
                 t = results[(stream, c, name)]
                 detail.add(
                     _mode(stream),
@@ -578,7 +592,8 @@ def report(
                     _ms(t.ttft_ms(50)) if stream else "",
                     _ms(t.ttft_ms(99)) if stream else "",
                     f"{t.tokens_per_request():.1f}",
-                    _ms(t.cpu_ms_per_request("gateway")) if name != "direct" else "",
+                    _ms(t.cpu_ms_per_request(meters[name])) if name != "direct" else "",
+                    t.cpu_spread(meters[name]) if name != "direct" else "",
                     _ms(t.cpu_ms_per_request("upstream")),
                     _ms(t.cpu_ms_per_request("loadgen")),
                 )
@@ -590,7 +605,7 @@ def report(
     wrong = "n/a" if check.wrong_tokens is None else check.wrong_tokens
     store.add(check.received, check.stored, check.missing, wrong, check.links)
     targets = ResultTable("Targets", ["target", "measured", "met"])
-    if 16 in plan.concurrencies and "chat" in apis:
+    if 16 in plan.concurrencies and any(via.name == gateway_name("chat") for via in vias):
         for stream in plan.streams:
             d, g = results[(stream, 16, "direct")], results[(stream, 16, gateway_name("chat"))]
             added = g.latency_ms(50) - d.latency_ms(50)
@@ -674,6 +689,12 @@ def _parser() -> argparse.ArgumentParser:
         "snapshot) instead of the working tree",
     )
     p.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also start a second gateway from this source tree (e.g. a `git archive` of the last commit) "
+        "on its own store, and interleave its targets with the working tree's: an A/B in one run",
+    )
+    p.add_argument(
         "--gateway-env",
         action="append",
         default=[],
@@ -736,6 +757,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(machine_line())
     upstream: Any = None
     gateway: ServerProcess | None = None
+    baseline: ServerProcess | None = None
     profiler: Profiler | None = None
     folded: Path | None = None
     try:
@@ -743,6 +765,9 @@ def main(argv: list[str] | None = None) -> None:
             upstream = start_upstream(args, model_dir)
         with console.status("starting the gateway…"):
             gateway = start_gateway(upstream.url, model_dir, db_url, gateway_env, args.gateway_src)
+            if args.baseline_src:
+                baseline_db = f"sqlite:///{tmp / 'baseline.db'}" if db_url.startswith("sqlite") else db_url
+                baseline = start_gateway(upstream.url, model_dir, baseline_db, gateway_env, args.baseline_src)
         console.print(f"upstream {upstream.url} · gateway {gateway.url} · store {db_url} · logs in {OUT_DIR}")
         if args.profile:
             profiler = Profiler(args.py_spy, gateway.pid, rate=250)
@@ -750,6 +775,8 @@ def main(argv: list[str] | None = None) -> None:
             "gateway": functools.partial(group_cpu_seconds, gateway.pid),
             "loadgen": self_cpu_seconds,
         }
+        if baseline is not None:
+            meters["baseline"] = functools.partial(group_cpu_seconds, baseline.pid)
         if upstream.process is not None:
             meters["upstream"] = functools.partial(group_cpu_seconds, upstream.process.pid)
         runner = LoadRunner(plan, workload, meters)
@@ -757,6 +784,10 @@ def main(argv: list[str] | None = None) -> None:
         direct = Target("direct", host, int(port), via_gateway=False, api=APIS["chat"])
         gateway_port = int(gateway.url.rsplit(":", 1)[1])
         vias = [Target(gateway_name(api), "127.0.0.1", gateway_port, via_gateway=True, api=APIS[api]) for api in apis]
+        if baseline is not None:
+            baseline_port = int(baseline.url.rsplit(":", 1)[1])
+            vias += [Target(f"gateway {api} (baseline)", "127.0.0.1", baseline_port, via_gateway=True,
+                            api=APIS[api], meter="baseline") for api in apis]
         started = time.perf_counter()
         results = asyncio.run(runner.run([direct, *vias]))
         elapsed = time.perf_counter() - started
@@ -764,13 +795,14 @@ def main(argv: list[str] | None = None) -> None:
         with console.status("checking the store…"):
             check = check_store(db_url, runner.received, None if vllm else args.max_tokens)
     finally:
-        if gateway is not None:
-            gateway.stop()
+        for server in (gateway, baseline):
+            if server is not None:
+                server.stop()
         if upstream is not None:
             upstream.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    tables = report(results, plan, check, args.upstream, apis)
+    tables = report(results, plan, check, args.upstream, vias)
     if folded is not None and folded.exists():
         tables += profile_tables(folded, top=25)
     for table in tables:
@@ -785,12 +817,15 @@ def main(argv: list[str] | None = None) -> None:
         "direct = the upstream's own /v1/chat/completions; gateway <api> = /s/<session>/v1/chat/completions, "
         "/v1/responses or /v1/messages with the same conversation in that API's shape (chat template + "
         "tokenizer, upstream /v1/completions with token ids, store commit before answering)",
-        f"targets per round: direct + {len(apis)} gateway APIs, their order rotated every round",
+        f"targets per round: direct + {len(vias)} gateway targets, their order rotated every round",
         "added = gateway percentile minus direct percentile; TTFT = until the first SSE event carrying text",
         "one machine with shared, partly stolen cores: compare within a run, not across runs",
     ]
     if args.gateway_src:
         notes.append(f"gateway source: {args.gateway_src}" + _commit_of(args.gateway_src))
+    if args.baseline_src:
+        notes.append(f"baseline gateway source: {args.baseline_src}" + _commit_of(args.baseline_src)
+                     + "; its own store of the same kind")
     if gateway_env:
         notes.append(f"gateway environment: {gateway_env}")
     if folded is not None:

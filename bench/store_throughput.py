@@ -135,7 +135,7 @@ def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], 
     `record`), with `seq` kept in memory by the gateway: two Core statements, no ORM unit of work, no reads."""
     row = {column.name: getattr(call, column.name) for column in _CALLS.columns}
     row["seq"] = seq
-    new = AgentSession(id=session_id, group_id="bench", owner=None) if seq == 0 else None
+    new = dict(id=session_id, group_id="bench", owner=None, policy_version=None) if seq == 0 else None
     return lambda db: queries.record_calls(db, session_id=session_id, new_session=new, rows=[row])
 
 

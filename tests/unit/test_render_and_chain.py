@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,18 @@ def test_default_system_prompt_of_the_model_is_kept(renderer: ChatRenderer) -> N
     text = renderer.tokenizer.decode(renderer.render([{"role": "user", "content": "hi"}], None, generation=True))
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_encode_gives_the_ids_transformers_gives(renderer: ChatRenderer) -> None:
+    """The renderer encodes with the Rust tokenizer directly (faster): the ids must be transformers' own,
+    special tokens, whitespace runs and multi-byte characters included."""
+    rng = random.Random(0)
+    pieces = ["<|im_start|>", "<|im_end|>", "\n", " ", "  x", "héllo", "日本語", "'s", "<tool_call>", '{"a": 1}',
+              "\t", "🙂", "ab", "12345"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 30))) for _ in range(500)]
+    assert renderer._backend is not None
+    for text in texts:
+        assert renderer.encode(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False)), text
 
 
 def test_canonical_messages_ignore_spelling_differences() -> None:

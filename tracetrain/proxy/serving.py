@@ -29,7 +29,7 @@ from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_h
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.messages import shared_prefix
-from tracetrain.store.models import CHAINED_LINKS, AgentSession, utcnow
+from tracetrain.store.models import CHAINED_LINKS, utcnow
 
 
 @dataclass
@@ -249,8 +249,8 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             "request_params": {**spec.params.__dict__, **spec.record_params, **(choice.route or {})},
         })
 
-    new_row = AgentSession(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
-                           policy_version=rows[0]["policy_version"]) if turn.new_session else None
+    new_row = dict(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
+                   policy_version=rows[0]["policy_version"]) if turn.new_session else None
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
                                                            rows=rows))
     if turn.new_session:

@@ -5,49 +5,71 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, case, insert, update
+from sqlalchemy import Table, bindparam, case, insert, literal_column, update
 from sqlalchemy import select as core_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Call, Policy, Reward, utcnow
+from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call, Policy, Reward, utcnow
+from tracetrain.store.prepared import Prepared
 
 
 def get_session(db: Session, *, session_id: str) -> AgentSession | None:
     return db.get(AgentSession, session_id)
 
 
-# The serving core's per-call statements, built once: a statement built per call with its values
-# inlined costs a cache-key walk and often a compile (a fifth of the gateway's CPU per call, profiled).
-# They run on the session's connection (Core), which also skips the ORM's per-statement work.
+# The serving core's per-call statements, compiled once per dialect and run on the driver's cursor
+# (store/prepared.py): built per call with their values inlined they cost a cache-key walk and often
+# a compile, and even cached, Core's execution machinery cost more than the SQL (profiled).
 _SESSIONS: Table = AgentSession.__table__  # type: ignore[attr-defined]
 _CALLS: Table = Call.__table__  # type: ignore[attr-defined]
-_INSERT_SESSION = {name: dialect.insert(_SESSIONS).on_conflict_do_nothing() for name, dialect in
-                   (("postgresql", postgresql), ("sqlite", sqlite))}
-_TOUCH_SESSION = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(
-    updated_at=bindparam("now"), calls=_SESSIONS.c.calls + bindparam("n"), tokens=_SESSIONS.c.tokens + bindparam("t"))
-_NEXT_SEQ = core_select(func.max(_CALLS.c.seq)).where(_CALLS.c.session_id == bindparam("sid"))
-_CHAINED_CHILD = core_select(_CALLS.c.id).where(
+SESSION_COLUMNS = tuple(_SESSIONS.columns.keys())
+CALL_COLUMNS = tuple(_CALLS.columns.keys())
+"""What a row handed to `record_calls` carries: every column of `calls` but `seq` and `link`, which
+the write decides."""
+_INSERT_SESSION = {name: Prepared(dialect.insert(_SESSIONS).on_conflict_do_nothing(), SESSION_COLUMNS)
+                   for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))}
+_TOUCH_SESSION = Prepared(update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(
+    updated_at=bindparam("now"), calls=_SESSIONS.c.calls + bindparam("n"), tokens=_SESSIONS.c.tokens + bindparam("t")))
+_NEXT_SEQ = Prepared(core_select(func.max(_CALLS.c.seq)).where(_CALLS.c.session_id == bindparam("sid")))
+# The links inlined as SQL literals: an IN over bound values expands per execution.
+_CHAINED_CHILD = Prepared(core_select(_CALLS.c.id).where(
     _CALLS.c.session_id == bindparam("sid"), _CALLS.c.parent_id == bindparam("parent"),
-    _CALLS.c.link.in_(["extend", "branch"])).limit(1)
-_INSERT_CALLS = insert(_CALLS)
-_SESSION_OWNER = core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version).where(
-    _SESSIONS.c.id == bindparam("sid"))
+    _CALLS.c.link.in_([literal_column(f"'{link}'") for link in CHAINED_LINKS])).limit(1))
+_INSERT_CALLS = Prepared(insert(_CALLS), CALL_COLUMNS)
+_SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version).where(
+    _SESSIONS.c.id == bindparam("sid")))
 
 
-def add_session_if_absent(db: Session, *, session: AgentSession, **values: Any) -> bool:
-    """Insert `session` (with column `values` over its own) unless its id exists (two first calls of
-    one session may race): one INSERT … ON CONFLICT DO NOTHING. True when this insert created it."""
-    statement = _INSERT_SESSION["postgresql" if db.get_bind().dialect.name == "postgresql" else "sqlite"]
-    return db.connection().execute(statement, {**session.model_dump(), **values}).rowcount == 1
+def session_row(*, id: str, group_id: str, owner: str | None, policy_version: int | None, model: str | None,
+                calls: int, tokens: int) -> dict[str, Any]:
+    """A new `sessions` row as the serving core inserts it: every column, the rest at their defaults
+    (a plain dict: building an `AgentSession` cost the gateway ~100 µs per new session, profiled)."""
+    now = utcnow()
+    return {**_SESSION_DEFAULTS, "id": id, "group_id": group_id, "owner": owner, "created_at": now,
+            "updated_at": now, "model": model, "calls": calls, "tokens": tokens, "policy_version": policy_version}
+
+
+_SESSION_DEFAULTS = {"status": "open", "reward": None, "reward_override": None, "excluded": False, "lease_owner": None,
+                     "lease_until": None, "trained_version": None, "skip_reason": None}
+if set(SESSION_COLUMNS) - _SESSION_DEFAULTS.keys() != {"id", "group_id", "owner", "created_at", "updated_at",
+                                                       "model", "calls", "tokens", "policy_version"}:
+    raise RuntimeError("the sessions table changed: give its new column a default in _SESSION_DEFAULTS")
+
+
+def add_session_if_absent(db: Session, *, row: dict[str, Any]) -> bool:
+    """Insert a `session_row` unless its id exists (two first calls of one session may race): one
+    INSERT … ON CONFLICT DO NOTHING. True when this insert created it."""
+    conn = db.connection()
+    statement = _INSERT_SESSION["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
+    return bool(statement.execute(conn, row).rowcount == 1)
 
 
 def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str, int | None] | None:
     """(owner, group, version it started on) of a stored session, or None: the gateway's check on every
-    call of a session it has not cached. On a bare connection: an ORM session's transaction bookkeeping
-    cost more than the query (profiled)."""
-    row = conn.execute(_SESSION_OWNER, {"sid": session_id}).first()
+    call of a session it has not cached."""
+    row = _SESSION_OWNER.execute(conn, {"sid": session_id}).fetchone()
     return None if row is None else (row[0], row[1], row[2])
 
 
@@ -106,9 +128,11 @@ def list_policies(db: Session) -> Sequence[Policy]:
     return db.exec(select(Policy).order_by(col(Policy.version))).all()
 
 
-def record_calls(db: Session, *, session_id: str, new_session: AgentSession | None, rows: list[dict[str, Any]]) -> int:
-    """The serving core's write for one request: its session (inserted if new, else touched) and one
-    call row per choice; returns the request's call number.
+def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | None,
+                 rows: list[dict[str, Any]]) -> int:
+    """The serving core's write for one request: its session (`new_session`, the keyword arguments of
+    `session_row` but model, calls and tokens; inserted if new, else touched) and one call row per
+    choice (`CALL_COLUMNS` but seq and link); returns the request's call number.
 
     The number (`seq`, shared by a request's choices) and whether a call extends its parent or branches
     from it are decided here, inside the write transaction, not from a gateway's memory: several
@@ -118,17 +142,17 @@ def record_calls(db: Session, *, session_id: str, new_session: AgentSession | No
     parent, link = rows[0]["parent_id"], rows[0]["link"]
     # The session's counts for the console's list: choices share the request's new prompt tokens.
     tokens = rows[0]["prompt_tokens"] - rows[0]["prefix_len"] + sum(row["completion_tokens"] for row in rows)
-    if new_session is not None and add_session_if_absent(db, session=new_session, model=rows[0]["model"],
-                                                         calls=len(rows), tokens=tokens):
+    if new_session is not None and add_session_if_absent(db, row=session_row(
+            **new_session, model=rows[0]["model"], calls=len(rows), tokens=tokens)):
         seq = 0  # created just now, in this transaction: it has no calls and no parent to contend for
     else:
-        conn.execute(_TOUCH_SESSION, {"sid": session_id, "now": utcnow(), "n": len(rows), "t": tokens})
-        current = conn.execute(_NEXT_SEQ, {"sid": session_id}).scalar()
+        _TOUCH_SESSION.execute(conn, {"sid": session_id, "now": utcnow(), "n": len(rows), "t": tokens})
+        current = _NEXT_SEQ.execute(conn, {"sid": session_id}).fetchone()[0]
         seq = 0 if current is None else int(current) + 1
         if link == "extend" and parent is not None and \
-                conn.execute(_CHAINED_CHILD, {"sid": session_id, "parent": parent}).first() is not None:
+                _CHAINED_CHILD.execute(conn, {"sid": session_id, "parent": parent}).fetchone() is not None:
             link = "branch"  # another process extended the parent first
-    conn.execute(_INSERT_CALLS, [{**row, "seq": seq, "link": link} for row in rows])
+    _INSERT_CALLS.execute(conn, [{**row, "seq": seq, "link": link} for row in rows])
     return seq
 
 

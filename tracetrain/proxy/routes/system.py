@@ -21,15 +21,15 @@ async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok", "policy_version": gw.engine.version, "store_queue_depth": gw.writer.queue_depth}
 
 
-def metrics_access(request: Request) -> None:
+async def metrics_access(request: Request) -> None:
     """`/metrics` as open as `metrics_key` allows: counters reveal traffic, so a gateway on a shared
     network may want them behind a key."""
     gw: Gateway = request.app.state.gateway
     if gw.config.metrics_key == "none":
         return
-    caller = get_caller(request)
+    caller = await get_caller(request)
     if gw.config.metrics_key == "admin":
-        get_admin(caller)
+        await get_admin(caller)
 
 
 class PrometheusText(Response):

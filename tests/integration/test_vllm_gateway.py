@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -10,6 +11,7 @@ from openai import OpenAI
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway
+from tracetrain.engines.vllm_server import http_client
 
 pytestmark = pytest.mark.vllm
 
@@ -51,3 +53,32 @@ def test_engine_errors_from_vllm_are_openai_errors(vllm_gateway: RunningGateway,
         "messages": [{"role": "user", "content": long_prompt}]})
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]
+
+
+def _running(vllm_server: Any) -> float:
+    """vLLM's own count of requests it is generating for."""
+    with http_client(vllm_server.url, timeout=10) as client:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vLLM exposes no vllm:num_requests_running")
+
+
+def test_a_client_that_leaves_a_stream_stops_its_generation(vllm_gateway: RunningGateway, vllm_server: Any) -> None:
+    """Closing the connection mid-stream aborts the request in vLLM at once, not after max_tokens (about a
+    minute here), and nothing is recorded for the unfinished call."""
+    body = {"model": vllm_gateway.gateway.config.served_model_name, "max_tokens": 3000, "stream": True,
+            "temperature": 1.0, "seed": 7,
+            "messages": [{"role": "user", "content": "Count from 1 to 5000, one number per line."}]}
+    with httpx.Client(timeout=120) as client, \
+            client.stream("POST", f"{vllm_gateway.v1('v-leaves')}/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # the first text: the generation is running
+        assert _running(vllm_server) >= 1
+    deadline = time.monotonic() + 10
+    while _running(vllm_server) > 0:
+        assert time.monotonic() < deadline, "vLLM still generates for a client that left"
+        time.sleep(0.2)
+    assert httpx.get(f"{vllm_gateway.url}/v1/sessions/v-leaves").status_code == 404

@@ -13,13 +13,13 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import STORE_ERRORS, APIError, error_body, store_error
+from tracetrain.proxy.event_stream import EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import (
@@ -188,8 +188,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
         completion = await _complete(gw, turn, body.logprobs)
     response.headers.update(turn.headers())
     return completion

@@ -16,13 +16,13 @@ from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.event_stream import EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
@@ -203,8 +203,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
         completion = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return completion

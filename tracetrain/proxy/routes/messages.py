@@ -16,13 +16,13 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import forced_call
 from tracetrain.proxy.errors import APIError, anthropic_error_body
+from tracetrain.proxy.event_stream import EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.messages_protocol import MessageResponse, MessagesRequest, Usage, canonical_messages, chat_tools
 from tracetrain.proxy.openapi import generation_responses
@@ -174,7 +174,7 @@ async def messages(body: MessagesRequest, request: Request, response: Response, 
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return StreamingResponse(_stream(gw, turn, run), media_type="text/event-stream", headers=turn.headers())
+            return EventStream(_stream(gw, turn, run), headers=turn.headers())
         message = await _complete(gw, turn)
     response.headers.update(turn.headers())
     return message

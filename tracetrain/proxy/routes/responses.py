@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Path, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from tracetrain.engines.base import EngineError, SamplingParams
@@ -23,6 +22,7 @@ from tracetrain.proxy.auth import Caller, CallerDep
 from tracetrain.proxy.binding import Binding, bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.event_stream import EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses, generation_responses
 from tracetrain.proxy.render import canonical_message
@@ -217,8 +217,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return StreamingResponse(_stream(gw, turn, run, body), media_type="text/event-stream",
-                                     headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
         (reply,) = await generate_all(gw, turn)
         created = _from_turn(turn, reply, body, int(time.time()))
     response.headers.update(turn.headers())

@@ -1,5 +1,10 @@
 """The response of every streamed generation: server-sent events, stopped when the client leaves.
 
+Events that are ready together leave together: `ready` says whether the body has its next event
+without waiting (the engine's tokens already queued), and while it does, events are gathered into one
+write. Each write is a trip through the middleware and a syscall that wakes the client; a stream of
+role, text, final and `[DONE]` events cost five of them where two do.
+
 Starlette's `StreamingResponse` watches for the client's disconnect with an anyio task group per
 response (under uvicorn, whose ASGI spec version is below 2.4); that group was ~5% of the gateway's
 CPU on streamed calls (profiled at 16 connections). Here the watch is one plain task whose completion
@@ -10,6 +15,7 @@ once (the body's `finally` cancels the engine request), for less.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -17,6 +23,21 @@ from starlette.types import Receive, Scope, Send
 
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], *, ready: Callable[[], bool],
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.ready = ready
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        gathered: list[bytes] = []
+        async for chunk in self.body_iterator:
+            gathered.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+            if not self.ready():
+                await send({"type": "http.response.body", "body": b"".join(gathered), "more_body": True})
+                gathered.clear()
+        await send({"type": "http.response.body", "body": b"".join(gathered), "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -107,6 +107,8 @@ class Turn:
     choices: list[Choice]
     pinned: int | None = None
     """The version to serve it with (canary promotion: the session's own); None: the engine's current."""
+    recorded: bool = False
+    """Committed to the store: what a stream still sends after that needs no waiting."""
 
     def headers(self) -> dict[str, str]:
         """What every API's response carries: the policy version that answered and the session."""
@@ -263,6 +265,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     gw.remember_latest(turn.session_id, ChainNode(rows[0]["id"], chains[0], 0))
     if turn.parent is not None and plan.link in CHAINED_LINKS:
         turn.parent.has_child = True
+    turn.recorded = True
     gw.metrics.tokens.labels("prompt").inc(len(plan.prompt_ids))
     gw.metrics.tokens.labels("completion").inc(sum(len(c.token_ids) for c in turn.choices))
 
@@ -317,6 +320,7 @@ class StreamRun:
     """The choices of a streamed request, generating concurrently and reporting through one queue."""
 
     def __init__(self, gw: Gateway, turn: Turn) -> None:
+        self.turn = turn
         self.events: asyncio.Queue[tuple[int, BaseException | None, bool]] = asyncio.Queue()
         self.tasks = [asyncio.create_task(self._run(gw, turn, c)) for c in turn.choices]
         self.first: tuple[int, BaseException | None, bool] | None = None
@@ -335,6 +339,11 @@ class StreamRun:
         if self.first[1] is not None:
             self.cancel()
             raise self.first[1]
+
+    def ready(self) -> bool:
+        """Whether the stream's next event comes without waiting: a token already queued, or everything
+        after the record (see proxy/event_stream.py)."""
+        return self.first is not None or not self.events.empty() or self.turn.recorded
 
     async def next(self) -> tuple[int, BaseException | None, bool]:
         """(choice index, error or None, whether that choice finished)."""

@@ -188,7 +188,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
         completion = await _complete(gw, turn, body.logprobs)
     response.headers.update(turn.headers())
     return completion

@@ -203,7 +203,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
         completion = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return completion

@@ -174,7 +174,7 @@ async def messages(body: MessagesRequest, request: Request, response: Response, 
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run), headers=turn.headers())
+            return EventStream(_stream(gw, turn, run), ready=run.ready, headers=turn.headers())
         message = await _complete(gw, turn)
     response.headers.update(turn.headers())
     return message

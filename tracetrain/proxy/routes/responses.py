@@ -217,7 +217,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run, body), headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
         (reply,) = await generate_all(gw, turn)
         created = _from_turn(turn, reply, body, int(time.time()))
     response.headers.update(turn.headers())

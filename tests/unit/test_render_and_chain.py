@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from tracetrain.proxy.chain import ChainNode, plan_prompt
 from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes, parse_forced_call, parse_reply
+from tracetrain.proxy.segments import make_segment_encoder
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,30 @@ def test_encode_gives_the_ids_transformers_gives(renderer: ChatRenderer) -> None
     assert renderer._backend is not None
     for text in texts:
         assert renderer.encode(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def test_encoding_by_pieces_is_refused_where_it_would_change_the_ids() -> None:
+    """A Metaspace pre-tokenizer that marks only the start of the text encodes `hi` after a special token
+    unmarked, but alone marked: such a tokenizer gets no piece cache (the renderer encodes whole texts)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "hi": 2, "\u2581hi": 3, "\u2581there": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens(["<s>"])
+    assert backend.encode("<s>hi there", add_special_tokens=False).ids != [1, 3, 4]  # the premise
+    assert make_segment_encoder(backend, ["<s>hi there"]) is None
+    assert make_segment_encoder(backend, ["hi there"]) is not None  # no special token inside: no difference
+
+
+def test_remembered_pieces_give_the_same_ids_again(renderer: ChatRenderer) -> None:
+    system = {"role": "system", "content": "You are a careful agent. " * 40}
+    texts = [renderer.render_text([system, {"role": "user", "content": f"question {i}"}], None, generation=True)
+             for i in range(3)]
+    assert renderer._segments is not None
+    for _ in range(2):  # the second round is served from remembered pieces
+        for text in texts:
+            assert renderer.encode(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_canonical_messages_ignore_spelling_differences() -> None:

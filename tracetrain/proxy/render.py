@@ -15,6 +15,8 @@ import uuid
 from importlib.resources import files
 from typing import Any
 
+from tracetrain.proxy.segments import make_segment_encoder
+
 BUNDLED_TEMPLATE = (files("tracetrain.proxy") / "templates" / "chatml_tools.jinja").read_text(encoding="utf-8")
 """Read as package data (importlib.resources), so it is found in an installed wheel, not only in a checkout;
 pyproject.toml's [tool.setuptools.package-data] is what puts it into the wheel."""
@@ -123,6 +125,7 @@ class ChatRenderer:
         self.turn_end_id: int | None = vocab.get("<|im_end|>", tokenizer.eos_token_id)
         self.turn_end_text: str | None = (
             None if self.turn_end_id is None else tokenizer.convert_ids_to_tokens(self.turn_end_id))
+        self._segments = None if self._backend is None else make_segment_encoder(self._backend, self._samples())
 
     def render_text(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool
@@ -139,7 +142,20 @@ class ChatRenderer:
             add_generation_prompt=generation,
         ))
 
+    def _samples(self) -> list[str]:
+        """Prompts on which encoding by pieces must give the ids of encoding whole (proxy/segments.py)."""
+        call = {"name": "lookup", "arguments": '{"q": "naïve  café"}'}
+        conversation: list[dict[str, Any]] = [{"role": "system", "content": " Be brief.\n\n Really."},
+                        {"role": "user", "content": "  Hello\tthere 日本語 🙂 it's 12345"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "{\"a\": [1, 2]}\n"}, {"role": "user", "content": "x"}]
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        return [self.render_text(conversation, tools, generation=True), self.render_text(conversation[1:2], None,
+                generation=False), " leading space", "trailing \n\n", "a<tool_call>b</tool_call> c"]
+
     def encode(self, text: str) -> list[int]:
+        if self._segments is not None:
+            return self._segments.encode(text)
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -145,9 +145,15 @@ def serve(config: Config, *, train: bool = False) -> None:
         # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the
         # ExitStack stop the vLLM server instead of the process dying and orphaning it.
         signal.signal(signal.SIGTERM, _exit_on_signal)
-        uvicorn.run(build_app(gateway), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(build_app(gateway), host=config.host, port=config.port, **UVICORN_OPTIONS)
 
+
+UVICORN_OPTIONS: dict[str, Any] = {
+    "log_level": "warning", "timeout_graceful_shutdown": 5,
+    # Per request, uvicorn formats an access-log line before the logger's level drops it, and its
+    # proxy-headers middleware wraps every request; the gateway uses neither (the metrics count requests).
+    "access_log": False, "proxy_headers": False,
+}
 
 WORKER_CONFIG = "TRACETRAIN_WORKER_CONFIG"
 """The resolved config, as JSON, handed from `serve --workers N` to each worker process."""
@@ -181,7 +187,7 @@ def serve_workers(config: Config) -> None:
         # uvicorn's supervisor handles SIGTERM itself: it stops the workers and returns here, and the
         # ExitStack stops the vLLM servers.
         uvicorn.run("tracetrain.cli:worker_app", factory=True, workers=config.gateway_workers, host=config.host,
-                    port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+                    port=config.port, **UVICORN_OPTIONS)
 
 
 def _restart_dead(servers: list[Any], stop: Any) -> None:

@@ -3,7 +3,8 @@
 Events that are ready together leave together: `ready` says whether the body has its next event
 without waiting (the engine's tokens already queued), and while it does, events are gathered into one
 write. Each write is a trip through the middleware and a syscall that wakes the client; a stream of
-role, text, final and `[DONE]` events cost five of them where two do.
+role, text, final and `[DONE]` events cost five of them where two do. A body about to wait for something
+`ready` cannot see (the call's record) yields `FLUSH` first, so that its text does not wait with it.
 
 Starlette's `StreamingResponse` watches for the client's disconnect with an anyio task group per
 response (under uvicorn, whose ASGI spec version is below 2.4); that group was ~5% of the gateway's
@@ -20,6 +21,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+FLUSH = b""
+"""Yielded by a stream's body before it waits: send what is gathered now."""
+
 
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
@@ -33,8 +37,9 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         gathered: list[bytes] = []
         async for chunk in self.body_iterator:
-            gathered.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
-            if not self.ready():
+            if chunk:
+                gathered.append(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+            if gathered and (not chunk or not self.ready()):
                 await send({"type": "http.response.body", "body": b"".join(gathered), "more_body": True})
                 gathered.clear()
         await send({"type": "http.response.body", "body": b"".join(gathered), "more_body": False})

@@ -341,8 +341,8 @@ class StreamRun:
             raise self.first[1]
 
     def ready(self) -> bool:
-        """Whether the stream's next event comes without waiting: a token already queued, or everything
-        after the record (see proxy/event_stream.py)."""
+        """Whether `next` answers without waiting, or the call is recorded and the rest of the stream needs
+        no waiting either (see proxy/event_stream.py; a stream yields `FLUSH` before it waits otherwise)."""
         return self.first is not None or not self.events.empty() or self.turn.recorded
 
     async def next(self) -> tuple[int, BaseException | None, bool]:

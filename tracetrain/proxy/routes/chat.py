@@ -19,7 +19,7 @@ from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import STORE_ERRORS, APIError, error_body, store_error
-from tracetrain.proxy.event_stream import EventStream
+from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import (
@@ -156,6 +156,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
     finally:
         run.cancel()
     replies = [reply_message(turn, c) for c in turn.choices]
+    yield FLUSH  # the text so far must not wait for the record
     try:
         await record(gw, turn, replies)
     except STORE_ERRORS as exc:  # not recorded, so no final chunk: an error event instead of a cut stream

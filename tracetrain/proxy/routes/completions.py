@@ -22,7 +22,7 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.errors import APIError, error_body
-from tracetrain.proxy.event_stream import EventStream
+from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
@@ -185,6 +185,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: CompletionReque
                 yield chunk([piece])
     finally:
         run.cancel()
+    yield FLUSH  # the text so far must not wait for the record
     await record(gw, turn, [reply_message(turn, c) for c in turn.choices])
     for c in turn.choices:
         yield chunk([{"index": c.index, "text": "", "finish_reason": c.finish_reason or "stop", "logprobs": None,

@@ -22,7 +22,7 @@ from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import forced_call
 from tracetrain.proxy.errors import APIError, anthropic_error_body
-from tracetrain.proxy.event_stream import EventStream
+from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.messages_protocol import MessageResponse, MessagesRequest, Usage, canonical_messages, chat_tools
 from tracetrain.proxy.openapi import generation_responses
@@ -142,6 +142,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
         status = error.status if isinstance(error, EngineError) else 504
         yield _event("error", {"error": anthropic_error_body(status, str(error) or "timeout")["error"]})
         return
+    yield FLUSH  # the text so far must not wait for the record
     reply, rest = await finish_stream(gw, turn)
     for event in text(rest) if rest else []:
         yield event

@@ -22,7 +22,7 @@ from tracetrain.proxy.auth import Caller, CallerDep
 from tracetrain.proxy.binding import Binding, bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import APIError, error_body
-from tracetrain.proxy.event_stream import EventStream
+from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses, generation_responses
 from tracetrain.proxy.render import canonical_message
@@ -185,6 +185,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
         failure = error_body(status, str(error) or "timeout", code)["error"]
         yield _event("error", seq, {"code": failure["code"], "message": failure["message"], "param": None})
         return
+    yield FLUSH  # the text so far must not wait for the record
     reply, rest = await finish_stream(gw, turn)
     for event in text(rest) if rest else []:
         yield event

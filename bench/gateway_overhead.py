@@ -457,17 +457,20 @@ class Profiler:
 
 
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("store: group commit (writer thread)", ("StoreWriter._commit",)),
+    # Markers match py-spy's frames, `function (path/file.py:line)`.
+    ("store: group commit (writer thread)", ("_commit (tracetrain/store/writer.py",)),
     ("store: reads (session lookup, chain load)",
-     ("Gateway._read", "Gateway._load_node", "Gateway._load_session", "Gateway._load_latest")),
-    ("engine: request to the upstream + parse (inside the call's task)", ("VLLMEngine.", "ReplicaSet.generate")),
-    ("prompt: chat template + tokenizer", ("ChatRenderer.",)),
-    ("history hashes, canonical messages, group", ("history_hashes", "canonical_message", "prompt_group")),
-    ("record: rows, submit, caches", ("record (tracetrain/proxy/serving",)),
-    ("stream: SSE chunks to the client", ("text_pieces (", "_stream (")),
-    ("other route code (bind, plan, reply, response)", ("tracetrain/proxy/",)),
-    ("FastAPI: body parse, validation, response", ("get_request_handler", "solve_dependencies", "serialize_response")),
-    ("logging", ("Logger.",)),
+     ("_read (tracetrain/proxy/gateway.py", "_load_node (", "_load_session (", "_load_latest (")),
+    ("engine: request to the upstream + parse", ("(tracetrain/engines/vllm.py", "(tracetrain/engines/replicas.py")),
+    ("prompt: chat template + tokenizer", ("(tracetrain/proxy/render.py", "(tracetrain/proxy/segments.py")),
+    ("history hashes, canonical messages, group", ("history_hashes (", "canonical_message (", "prompt_group (")),
+    ("record: rows, submit, caches", ("record (tracetrain/proxy/serving.py",)),
+    ("stream: events to the client", ("_stream (tracetrain/proxy/routes", "text_pieces (",
+                                      "(tracetrain/proxy/event_stream.py")),
+    ("other route code (bind, plan, reply, response)", ("(tracetrain/proxy/",)),
+    ("FastAPI: body parse, validation, response", ("solve_dependencies (", "serialize_response (",
+                                                   "request_body_to_args (")),
+    ("logging", ("(logging/",)),
     ("uvicorn, starlette, asyncio loop, aiohttp callbacks, other", ()),
 ]
 """Where a sample goes: the first category one of whose markers appears in its stack."""
@@ -484,7 +487,7 @@ def profile_tables(folded: Path, top: int) -> list[ResultTable]:
     self_time: Counter[str] = Counter()
     category: Counter[str] = Counter()
     total = 0
-    for line in folded.read_text().splitlines():
+    for line in folded.read_text(errors="replace").splitlines():  # py-spy may cut a name mid-character
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
@@ -496,7 +499,8 @@ def profile_tables(folded: Path, top: int) -> list[ResultTable]:
     if not total:
         return []
     by_category = ResultTable(
-        f"Gateway profile: where the time goes ({total} samples, GIL holder only)",
+        f"Gateway profile: where the time goes ({total} samples of the thread holding the GIL; C code "
+        "that releases it, SQLite's statements and fsync among it, is not counted)",
         ["activity (first match in the stack)", "% of samples"],
     )
     for name, _ in CATEGORIES:

@@ -103,15 +103,19 @@ def test_a_broken_version_is_rolled_back_and_only_its_share_saw_it(canary_gatewa
     print(f"\nbroken canary: {len(served)} sessions, decision {decision}")
     assert decision["by"] == "test" and decision["canary_n"] >= 6 and decision["incumbent_n"] >= 6
     assert decision["canary_mean"] < decision["incumbent_mean"] and decision["interval"][1] < -0.1
-    # Exactly the sessions whose hash falls in the share saw the canary, and it failed them.
+    # Exactly the sessions whose hash falls in the share saw the canary, and it failed them. The last one
+    # may have been served while the rollback landed (the decision loop runs beside the calls): then the
+    # incumbent answered it, and says so.
+    last = list(served)[-1]
+    late = assigned_to_canary(last, SHARE) and served[last][0] == 0
     for session, (version, reward) in served.items():
-        assert version == (1 if assigned_to_canary(session, SHARE) else 0), session
+        assert version == (1 if assigned_to_canary(session, SHARE) and not (late and session == last) else 0), session
         assert reward == (0.0 if version == 1 else 1.0)
     saw = sum(v == 1 for v, _ in served.values())
     # The hash gives the canary its share of sessions, no more: over many ids, and over these.
     population = [assigned_to_canary(f"s-{i}", SHARE) for i in range(10_000)]
     assert abs(sum(population) / len(population) - SHARE) < 0.015
-    assert saw == sum(population[: len(served)])
+    assert saw == sum(population[: len(served)]) - late
     # After the rollback no session gets it again, new or old.
     assert httpx.get(f"{canary_gateway.url}/v1/policies").json()["promotion"]["canary"] is None
     assert all(_episode(canary_gateway, f"after-{i}")[0] == 0 for i in range(5))

@@ -27,7 +27,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.proxy.auth import fingerprint
 from tracetrain.proxy.console_protocol import message_items
-from tracetrain.store import console, corrections, leases, schema
+from tracetrain.store import console, corrections, leases, schema, search_index
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine, open_engine
 from tracetrain.store.models import AgentSession, Call
@@ -344,7 +344,11 @@ def test_the_session_list_filters_on_either_store(db_url: str, monkeypatch: pyte
             return {q: [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]]
                     for q in searches}
 
-        assert results() == searches
+        assert results() == searches  # SQLite: the calls are not indexed yet, the search reads them
+        if search_index.batched(db):
+            assert search_index.index_new_calls(db) == 7  # every call stored above
+            db.commit()
+        assert results() == searches  # SQLite: now through the index
         # A common text pages by scanning sessions in order (and counts through the index): same answers.
         monkeypatch.setattr(console, "COMMON_CALLS", 1)
         assert results() == searches
@@ -389,11 +393,61 @@ def test_an_upgraded_store_searches_its_earlier_calls_through_the_index(db_url: 
         db.commit()
         for q, found in (("PLATYPUS", ["old"]), ("quokkaseven", ["new"]), ("PLATYPUS!", [])):
             assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]] == found, q
-        if engine.dialect.name == "sqlite":
-            assert db.exec(sql("SELECT count(*) FROM call_search_rows")).one() == (3,)  # type: ignore[call-overload]
+        if engine.dialect.name == "sqlite":  # the earlier call indexed by the migration, the new ones in a batch
+            assert db.exec(sql("SELECT count(*) FROM call_search_rows")).one() == (1,)  # type: ignore[call-overload]
+            assert search_index.index_new_calls(db) == 2
+            db.commit()
+            for q, found in (("PLATYPUS", ["old"]), ("quokkaseven", ["new"])):
+                assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]] == found
         else:
             indexes = db.exec(sql("SELECT indexname FROM pg_indexes WHERE tablename = 'calls'")).all()  # type: ignore[call-overload]
             assert {"ix_calls_messages_trgm", "ix_calls_response_message_trgm"} <= {i for (i,) in indexes}
+
+
+def test_downgrading_from_batched_indexing_indexes_what_was_pending(tmp_path: Path) -> None:
+    """0007 → 0006 puts back the per-call trigger, which would never index calls recorded since the last
+    batch: the downgrade indexes them first; up again, the mark starts past every call."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    with Session(make_engine(url)) as db:
+        _tool_session(db)
+        db.commit()
+    engine = open_engine(url)
+    with engine.begin() as connection:
+        command.downgrade(schema._config(connection), "0006")
+    rows = sql("SELECT count(*) FROM call_search_rows")
+    with engine.connect() as connection:
+        assert connection.execute(rows).one() == (2,)
+    with Session(engine) as db:  # the trigger indexes as calls are written
+        db.add(_stored_call("tools", 2, [{"role": "user", "content": "Echidna"}], {"role": "assistant",
+                                                                                  "content": "ok"}))
+        db.commit()
+    with engine.connect() as connection:
+        assert connection.execute(rows).one() == (3,)
+    schema.upgrade(engine)
+    with Session(engine) as db:
+        assert search_index.index_new_calls(db) == 0
+        assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="echidna"))[0]] == ["tools"]
+
+
+def test_a_deleted_newest_call_s_rowid_given_again_is_indexed_again(tmp_path: Path) -> None:
+    """SQLite hands the rowid of a deleted newest row out again: the mark steps back, so the call that gets
+    it is searched (past the mark) and then indexed, not skipped as indexed already."""
+    with Session(make_engine(f"sqlite:///{tmp_path / 'store.db'}")) as db:
+        _tool_session(db)
+        db.commit()
+        assert search_index.index_new_calls(db) == 2
+        db.commit()
+        db.exec(sql("DELETE FROM calls WHERE id = 'tools-c1'"))  # type: ignore[call-overload]
+        db.add(_stored_call("tools", 1, [{"role": "user", "content": "Echidna"}], {"role": "assistant",
+                                                                                  "content": "ok"}))
+        db.commit()
+        found = [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="echidna"))[0]]
+        assert found == ["tools"]
+        assert search_index.index_new_calls(db) == 1
+        db.commit()
+        matches = sql("SELECT count(*) FROM call_search WHERE call_search MATCH 'echidna'")
+        assert db.exec(matches).one() == (1,)  # type: ignore[call-overload]
+        assert search_index.index_new_calls(db) == 0
 
 
 def test_message_items_read_every_api_s_tool_calls_and_results() -> None:

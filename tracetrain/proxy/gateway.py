@@ -23,7 +23,7 @@ from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.render import ChatRenderer
-from tracetrain.store import holds, promotion, queries
+from tracetrain.store import holds, promotion, queries, search_index
 from tracetrain.store.messages import full_messages
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
@@ -75,6 +75,7 @@ class Gateway:
         self._publish_lock = asyncio.Lock()
         self._holds: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._indexer: asyncio.Task[None] | None = None
         self.services: list[Any] = []
         """Background services started and stopped with the gateway (the trainer thread)."""
 
@@ -88,11 +89,12 @@ class Gateway:
             self._follower = asyncio.create_task(self.promotion.run())
         else:
             self._follower = asyncio.create_task(self._follow_versions())
+        self._indexer = asyncio.create_task(self._index_search())
         for service in self.services:
             service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
-        for task in (self._holds, self._follower):
+        for task in (self._holds, self._follower, self._indexer):
             if task is not None:
                 task.cancel()
         for service in reversed(self.services):
@@ -148,6 +150,19 @@ class Gateway:
                         log.info("following version %d, published through another gateway", latest.version)
             except Exception as exc:  # the store or an engine briefly away: try again next round
                 log.warning("following the published version failed: %s", exc)
+
+    async def _index_search(self, interval_s: float = 0.5) -> None:
+        """Fill SQLite's search index with the calls recorded since the last batch (store/search_index.py)."""
+        if not await self.read(search_index.batched):
+            return
+        while True:
+            try:
+                indexed = await self.writer.submit(search_index.index_new_calls)
+            except Exception as exc:  # the store briefly away or full: the search scans the rest meanwhile
+                log.warning("indexing calls for the search failed: %s", exc)
+                indexed = 0
+            if indexed < search_index.BATCH:
+                await asyncio.sleep(interval_s)
 
     def hold_for_training(self, training: bool) -> None:
         """A `sync`-mode step in this process: close generation while it trains (event loop thread)."""

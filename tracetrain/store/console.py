@@ -69,7 +69,8 @@ def _conditions(f: SessionFilter) -> list[ColumnElement[bool]]:
 # `call_search_rows.id`, which names the call's session.
 _CALL_SEARCH = table("call_search", column("rowid"))
 _CALL_SEARCH_ROWS = table("call_search_rows", column("id"), column("session_id"))
-_HAS_CALL_SEARCH = sql_text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'call_search'")
+_CALL_SEARCH_STATE = table("call_search_state", column("indexed_rowid"))
+_HAS_CALL_SEARCH = sql_text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'call_search_state'")
 TRIGRAM = 3
 """Shorter text has no trigram to look up: it is searched by scanning."""
 COMMON_CALLS = 5000
@@ -94,9 +95,15 @@ def _match(text: str) -> ColumnElement[bool]:
 
 
 def _indexed(text: str) -> ColumnElement[bool]:
-    """`_scan`'s condition through SQLite's index: the sessions of the calls whose text matches."""
+    """`_scan`'s condition through SQLite's index: the sessions of the calls whose text matches, and of the
+    calls not indexed yet (past the mark, store/search_index.py) whose text matches when read."""
     calls = select(_CALL_SEARCH.c.rowid).where(_match(text))
-    return col(AgentSession.id).in_(select(_CALL_SEARCH_ROWS.c.session_id).where(_CALL_SEARCH_ROWS.c.id.in_(calls)))
+    indexed = select(_CALL_SEARCH_ROWS.c.session_id).where(_CALL_SEARCH_ROWS.c.id.in_(calls))
+    mark = select(_CALL_SEARCH_STATE.c.indexed_rowid).scalar_subquery()
+    recent = select(Call.session_id).where(literal_column("calls.rowid") > mark, or_(
+        cast(col(Call.messages), Text).icontains(text, autoescape=True),
+        cast(col(Call.response_message), Text).icontains(text, autoescape=True)))
+    return or_(col(AgentSession.id).in_(indexed), col(AgentSession.id).in_(recent))
 
 
 def _text_conditions(db: Session, text: str) -> tuple[ColumnElement[bool], ColumnElement[bool]]:

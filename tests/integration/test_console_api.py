@@ -7,6 +7,7 @@ call's tool calls and tool results as items of the session JSON; capture quality
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -427,6 +428,20 @@ def test_downgrading_from_batched_indexing_indexes_what_was_pending(tmp_path: Pa
     with Session(engine) as db:
         assert search_index.index_new_calls(db) == 0
         assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="echidna"))[0]] == ["tools"]
+
+
+def test_the_gateway_indexes_its_calls_in_the_background(gateway: RunningGateway) -> None:
+    client = OpenAI(base_url=gateway.v1("indexed"), api_key="unused")
+    client.chat.completions.create(model=gateway.gateway.config.served_model_name, max_tokens=4,
+                                   messages=[{"role": "user", "content": "Say Numbat."}])
+    engine = make_engine(gateway.gateway.config.db_url)
+    deadline = time.monotonic() + 10
+    with engine.connect() as connection:
+        while connection.execute(sql("SELECT count(*) FROM call_search_rows")).one() != (1,):
+            assert time.monotonic() < deadline, "the call was not indexed"
+            time.sleep(0.2)
+        marked = connection.execute(sql("SELECT indexed_rowid FROM call_search_state")).one()
+        assert marked == connection.execute(sql("SELECT max(rowid) FROM calls")).one()
 
 
 def test_a_deleted_newest_call_s_rowid_given_again_is_indexed_again(tmp_path: Path) -> None:

@@ -123,7 +123,7 @@ class VLLMEngine:
                 if response.status != 200:
                     raise _http_error(response.status, (await response.read()).decode(errors="replace"))
                 async for chunks in _sse_batches(response):
-                    pending: TokenDelta | None = None
+                    arrived: list[TokenDelta] = []
                     for chunk in chunks:
                         delta = self._parse_chunk(chunk, prompt_ids, params)
                         if delta is None:
@@ -132,9 +132,9 @@ class VLLMEngine:
                         if delta.finish_reason is not None:
                             final = delta  # read on to [DONE] first, so the connection goes back to the pool
                         elif delta.token_ids or delta.text:
-                            pending = delta if pending is None else _joined(pending, delta)
-                    if pending is not None:
-                        yield pending
+                            arrived.append(delta)
+                    if arrived:
+                        yield arrived[0] if len(arrived) == 1 else _joined(arrived)
         if final is None:
             raise EngineError("vLLM ended the stream without a finish_reason")
         yield final
@@ -297,12 +297,13 @@ async def _sse_batches(response: aiohttp.ClientResponse) -> AsyncIterator[list[d
             yield batch
 
 
-def _joined(a: TokenDelta, b: TokenDelta) -> TokenDelta:
-    """Two consecutive unfinished deltas as one."""
-    top = None if a.top_logprobs is None and b.top_logprobs is None else \
-        [*(a.top_logprobs or []), *(b.top_logprobs or [])]
-    return TokenDelta(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.text + b.text, top,
-                      version=a.version)
+def _joined(deltas: list[TokenDelta]) -> TokenDelta:
+    """Consecutive unfinished deltas as one."""
+    tops = [d.top_logprobs for d in deltas]
+    return TokenDelta([t for d in deltas for t in d.token_ids], [lp for d in deltas for lp in d.logprobs],
+                      "".join(d.text for d in deltas),
+                      None if all(t is None for t in tops) else [x for t in tops for x in t or []],
+                      version=deltas[0].version)
 
 
 def _http_error(status: int, body: str) -> EngineError:

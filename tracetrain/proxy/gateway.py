@@ -155,14 +155,20 @@ class Gateway:
         """Fill SQLite's search index with the calls recorded since the last batch (store/search_index.py)."""
         if not await self.read(search_index.batched):
             return
+        seen, indexed = -1, 0
         while True:
+            # An idle gateway takes no write lock: its writer has committed nothing since the last batch
+            # (another process's calls are indexed by that process), and the last batch was not full.
+            if indexed < search_index.BATCH:
+                await asyncio.sleep(interval_s)
+                if self.writer.committed_ops == seen:
+                    continue
             try:
                 indexed = await self.writer.submit(search_index.index_new_calls)
             except Exception as exc:  # the store briefly away or full: the search scans the rest meanwhile
                 log.warning("indexing calls for the search failed: %s", exc)
                 indexed = 0
-            if indexed < search_index.BATCH:
-                await asyncio.sleep(interval_s)
+            seen = self.writer.committed_ops
 
     def hold_for_training(self, training: bool) -> None:
         """A `sync`-mode step in this process: close generation while it trains (event loop thread)."""

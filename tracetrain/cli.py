@@ -171,13 +171,16 @@ def serve_workers(config: Config) -> None:
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
-    make_engine(config.db_url)  # an out-of-date store is refused once, here
+    db = make_engine(config.db_url)  # an out-of-date store is refused once, here
     with ExitStack() as stack:
         servers = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
         urls = config.engine_url or [server.url for server in servers]
         stop = threading.Event()
         stack.callback(stop.set)
-        threading.Thread(target=_restart_dead, args=(servers, stop), daemon=True).start()
+        # Full weights: the workers label each replica with what the store says it holds; a restarted
+        # server holds its own model again.
+        store = db if config.train.publish != "none" and config.publishes_full_weights() else None
+        threading.Thread(target=_restart_dead, args=(servers, stop, store), daemon=True).start()
         # The workers reach the servers started here by URL; a socket travels as `unix:/path`, which
         # the workers run as this user may open (its directory is this user's alone).
         worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm"})
@@ -190,13 +193,26 @@ def serve_workers(config: Config) -> None:
                     port=config.port, **UVICORN_OPTIONS)
 
 
-def _restart_dead(servers: list[Any], stop: Any) -> None:
-    """Start again a vLLM server of ours that died; the workers' replica sets take it back once healthy."""
+def _restart_dead(servers: list[Any], stop: Any, store: Any = None) -> None:
+    """Start again a vLLM server of ours that died; the workers' replica sets take it back once healthy,
+    labelled with version 0 when `store` records full-weight reloads."""
+    from sqlmodel import Session
+
+    from tracetrain.engines.vllm_server import engine_address
+    from tracetrain.store import replica_states
+
     while not stop.wait(2.0):
         for server in servers:
             if server.exited:
                 log.warning("vLLM on %s exited (%s); starting it again", server.url, server.returncode)
                 server.launch()
+                if store is not None:
+                    try:
+                        with Session(store) as db:
+                            replica_states.reset(db, url=engine_address(server.url).url)
+                            db.commit()
+                    except Exception as exc:  # keep restarting servers; the workers keep the old label
+                        log.error("recording that %s restarted failed: %s", server.url, exc)
 
 
 def worker_app() -> Any:

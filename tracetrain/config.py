@@ -184,9 +184,9 @@ class Config(BaseSettings):
     `engine_url` is given."""
     gateway_workers: int = Field(default=1, ge=1)
     """Gateway processes serving the port (`serve --workers N`); they share the store, the engines and
-    the generation holds, and follow the versions any of them publishes (LoRA only: with `train.publish:
-    auto` and LoRA, several workers resolve it to `lora`, since only an adapter switch is the same
-    moment in every process)."""
+    the generation holds, and follow the versions any of them publishes. A LoRA version switches in
+    every process within a second; a full-weight reload first waits until every process has stopped
+    sending to the replica it reloads (proxy/replica_sync.py)."""
     replica_routing: Literal["sticky", "round_robin"] = "sticky"
     """`sticky`: a session's calls go to the replica holding its prefix, new sessions to the least
     loaded; `round_robin`: every call to the next replica (no affinity; for comparison)."""
@@ -310,16 +310,15 @@ class Config(BaseSettings):
         if self.gateway_workers > 1 and self.engine == "transformers":
             raise ValueError("gateway_workers > 1 needs engine: vllm (each worker would load its own model)")
         if self.gateway_workers > 1 and self.train.publish == "auto" and self.train.lora:
-            self.train.publish = "lora"
-        if self.gateway_workers > 1 and self._publishes_full_weights():
-            raise ValueError("gateway_workers > 1 needs LoRA publishing (train.lora and train.publish: lora) or "
-                             "train.publish: none: a full-weight reload cannot switch every process's version "
-                             "label at the same moment")
+            self.train.publish = "lora"  # an adapter switch needs no drain of every process (see gateway_workers)
+        if self.gateway_workers > 1 and self.promotion == "canary" and self.publishes_full_weights():
+            raise ValueError("gateway_workers > 1 with promotion: canary needs LoRA publishing (train.lora and "
+                             "train.publish: lora): a full-weight canary's replicas are chosen by one process")
         if self.promotion == "canary":
             engines = len(self.engine_url) or self.replicas
             if self.train.publish == "auto" and self.train.lora and self.engine != "transformers" and engines == 1:
                 self.train.publish = "lora"  # both versions in one vLLM: only adapters make that possible
-            if self.engine != "transformers" and self._publishes_full_weights() and engines == 1:
+            if self.engine != "transformers" and self.publishes_full_weights() and engines == 1:
                 raise ValueError("promotion: canary with full weights needs two or more vLLM replicas (--replicas 2, "
                                  "or several --engine-url): the canary is loaded into some of them while the rest "
                                  "serve the incumbent. On one server, use LoRA publishing (train.lora and "
@@ -332,7 +331,7 @@ class Config(BaseSettings):
                              f"({self.replica_max_outstanding}) would never spill")
         return self
 
-    def _publishes_full_weights(self) -> bool:
+    def publishes_full_weights(self) -> bool:
         publish = self.train.publish
         return publish == "reload" or (publish == "auto" and (not self.train.lora or self.train.publishes_merged()))
 

@@ -1,11 +1,14 @@
-"""`tracetrain serve --workers 2` in front of the shared vLLM server: both worker processes serve, and a
+"""`tracetrain serve --workers 2` in front of the shared vLLM server: both worker processes serve, a
 LoRA version published through one of them (as `tracetrain train --gateway-url` does: POST
-/v1/policies, then mark it published in the store) is served by every worker within seconds."""
+/v1/policies, then mark it published in the store) is served by every worker within seconds, and a
+full-weight reload through one of them, under load, never lets a call record a version its weights
+were not (proxy/replica_sync.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,12 @@ import pytest
 from sqlmodel import Session
 
 from tests.integration.conftest import RunningVLLM
+from tests.integration.test_publish import (
+    load_model,
+    restore_base_weights,  # noqa: F401  (a fixture: puts vLLM's weights back)
+    save_full,
+    save_lora,
+)
 from tests.support.servers import free_port
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Policy, utcnow
@@ -22,13 +31,24 @@ from tracetrain.store.models import Policy, utcnow
 
 @pytest.fixture
 def workers_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    yield from start_workers(vllm_server, smollm2_path, tmp_path, "train.lora=true", "train.publish=lora")
+
+
+@pytest.fixture
+def reloading_workers(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    yield from start_workers(vllm_server, smollm2_path, tmp_path, "train.lora=false", "train.publish=reload")
+
+
+def start_workers(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path,
+                  *settings: str) -> Iterator[tuple[str, str]]:
     port = free_port()
     db_url = f"sqlite:///{tmp_path / 'store.db'}"
     log = tmp_path / "gateway.log"
     command = [sys.executable, "-m", "tracetrain.cli", "serve", "--workers", "2", "--engine", "vllm",
                "--engine-url", vllm_server.url, "--model", str(smollm2_path), "--served-model-name",
-               vllm_server.model_name, "--db-url", db_url, "--port", str(port),
-               "--set", "train.lora=true", "--set", "train.publish=lora"]
+               vllm_server.model_name, "--db-url", db_url, "--port", str(port)]
+    for setting in settings:
+        command += ["--set", setting]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -63,8 +83,6 @@ def versions(url: str, model: str, n: int = 16) -> list[str]:
 def test_a_version_published_through_one_worker_reaches_every_worker(
     workers_gateway: tuple[str, str], vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    from tests.integration.test_publish import load_model, save_lora
-
     url, db_url = workers_gateway
     assert set(versions(url, vllm_server.model_name)) == {"0"}
     adapter = save_lora(load_model(smollm2_path), tmp_path / "v1", seed=3)
@@ -82,9 +100,67 @@ def test_a_version_published_through_one_worker_reaches_every_worker(
 
 
 def test_workers_refuse_what_they_cannot_keep_consistent(tmp_path: Path) -> None:
-    for extra, words in ((["--train"], "own process"), (["--set", "train.publish=reload"], "LoRA publishing"),
-                        (["--set", "train.lora=false"], "LoRA publishing")):
+    for extra, words in ((["--train"], "own process"),
+                        (["--set", "promotion=canary", "--set", "train.publish=reload"], "LoRA publishing")):
         result = subprocess.run([sys.executable, "-m", "tracetrain.cli", "serve", "--workers", "2",
                                  "--engine-url", "http://127.0.0.1:9", "--db-url", f"sqlite:///{tmp_path / 's.db'}",
                                  *extra], capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]
+
+
+def first_token(url: str, model: str, prompt: str) -> tuple[str, float, str]:
+    """Policy version, first sampled token's logprob and the text of a greedy answer on a new connection."""
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={"Connection": "close"},
+                          json={"model": model, "max_tokens": 4, "temperature": 0, "logprobs": True,
+                                "messages": [{"role": "user", "content": prompt}]})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprob = choice["logprobs"]["content"][0]["logprob"]
+    return response.headers["x-policy-version"], logprob, choice["message"]["content"]
+
+
+@pytest.mark.usefixtures("restore_base_weights")
+def test_a_full_weight_reload_through_one_worker_never_mislabels_a_call_in_another(
+    reloading_workers: tuple[str, str], vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path,
+) -> None:
+    url, db_url = reloading_workers
+    model, prompt = vllm_server.model_name, "Name a colour."
+    checkpoint, _ = save_full(load_model(smollm2_path), smollm2_path, tmp_path / "v1", seed=5, scale=0.05)
+    version, base_logprob, _ = first_token(url, model, prompt)
+    assert version == "0"
+    answers: list[tuple[str, float, str]] = []
+    stop = threading.Event()
+
+    def agent() -> None:  # keeps both workers busy with calls on the one replica throughout the reload
+        while not stop.is_set():
+            answers.append(first_token(url, model, prompt))
+
+    agents = [threading.Thread(target=agent) for _ in range(4)]
+    for thread in agents:
+        thread.start()
+    try:
+        time.sleep(2)
+        response = httpx.post(f"{url}/v1/policies", timeout=600,
+                              json={"version": 1, "checkpoint": str(checkpoint), "kind": "full"})
+        assert response.status_code == 200, response.text
+        with Session(open_engine(db_url)) as db:  # what the trainer writes once the gateway took the version
+            db.add(Policy(version=1, checkpoint=str(checkpoint), kind="full", published_at=utcnow()))
+            db.commit()
+        time.sleep(4)
+    finally:
+        stop.set()
+        for thread in agents:
+            thread.join(timeout=300)
+    _, new_logprob, _ = first_token(url, model, prompt)
+    assert abs(new_logprob - base_logprob) > 0.01, "the checkpoint must be told apart from the base weights"
+    by_version: dict[str, list[float]] = {"0": [], "1": []}
+    for label, logprob, _text in answers:
+        by_version[label].append(logprob)
+    assert by_version["0"] and by_version["1"], {k: len(v) for k, v in by_version.items()}
+    reference = {"0": base_logprob, "1": new_logprob}
+    mislabelled = [(label, lp) for label, lps in by_version.items() for lp in lps
+                   if abs(lp - reference[label]) > abs(lp - reference["1" if label == "0" else "0"])]
+    print(f"calls during the reload: {len(by_version['0'])} on version 0, {len(by_version['1'])} on version 1; "
+          f"first-token logprob {base_logprob:.4f} -> {new_logprob:.4f}; mislabelled {len(mislabelled)}")
+    assert not mislabelled
+    assert set(versions(url, model)) == {"1"}  # every worker labels the replica with the new weights

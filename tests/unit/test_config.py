@@ -134,11 +134,14 @@ def test_engine_urls_from_every_source_and_replica_combinations(tmp_path: Path,
             load_config(**bad)
 
 
-def test_several_gateway_workers_publish_lora_or_are_refused() -> None:
+def test_several_gateway_workers_prefer_lora_and_refuse_what_one_process_decides() -> None:
     assert load_config(gateway_workers=2).train.publish == "lora"  # `auto` with LoRA resolves to it
     assert load_config().train.publish == "auto"
-    for bad in ({"train": {"publish": "reload"}}, {"train": {"lora": False}},
-                {"engine": "transformers", "train": {"publish": "lora"}}):
+    # Full weights are reloaded in agreement between the processes (proxy/replica_sync.py).
+    assert load_config(gateway_workers=2, train={"publish": "reload"}).train.publish == "reload"
+    assert not load_config(gateway_workers=2, train={"lora": False}).train.lora
+    for bad in ({"engine": "transformers", "train": {"publish": "lora"}},
+                {"promotion": "canary", "replicas": 2, "train": {"publish": "reload"}}):
         with pytest.raises(ValidationError, match="gateway_workers > 1"):
             load_config(gateway_workers=2, **bad)
 

@@ -11,19 +11,38 @@ replica did not serve.
 A replica that rejoins (after a failure or a restart) is first brought to the latest version by
 `catch_up`. Publishing fails (`PublishError`, the old version still served) only when no replica took
 the new version.
+
+Other gateway processes may send to the same replicas (`serve --workers N`, several gateway hosts on
+one store). A full-weight reload then goes through a `ReloadCoordinator`: it returns from `begin_reload`
+once no other process sends to the replica, and `end_reload` tells them which version it now holds,
+which they label their calls with before they route to it again (proxy/replica_sync.py, over the store).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from pathlib import Path
+from typing import Protocol, cast
 
 from .publishing import Checkpoint, PublishError
 from .replicas import ReplicaSet
 from .vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 
 log = logging.getLogger(__name__)
+
+
+class ReloadCoordinator(Protocol):
+    """Agreement with the other gateway processes in front of the same replicas on a full-weight reload."""
+
+    async def begin_reload(self, url: str, version: int) -> int | None:
+        """None once this process may reload `url`: no other process sends calls to it. Or the version
+        `url` already holds, when another process brought it to `version` or newer: nothing to reload.
+        `PublishError` if the other processes did not stop in time."""
+
+    async def end_reload(self, url: str, version: int | None, checkpoint: Path | None, failure: str | None) -> None:
+        """`url` now holds `version` from `checkpoint` (None: what it held before); other processes label
+        their calls with it and route to it again, unless `failure` says why it is out."""
 
 
 class ReplicaPublisher:
@@ -42,8 +61,20 @@ class ReplicaPublisher:
         """The last version published, which a rejoining replica catches up to."""
         self.canary: Checkpoint | None = None
         """A canary staged next to `latest` (canary promotion), which a rejoining replica loads too."""
+        self.coordinator: ReloadCoordinator | None = None
+        """Set when other gateway processes may send to these replicas: full-weight reloads go through it."""
         self._lock = asyncio.Lock()
         replicas.catch_up = self.catch_up
+
+    @property
+    def reloads_in_place(self) -> bool:
+        """Full weights: each replica's weights change under the calls other gateway processes send it."""
+        return all(isinstance(p, VLLMReloadPublisher) for p in self.publishers)
+
+    @property
+    def base_weights(self) -> Path:
+        """The servers' own model directory (version 0 of a full-weight replica)."""
+        return cast(list[VLLMReloadPublisher], self.publishers)[0].server_model_dir
 
     async def publish(self, checkpoint: Checkpoint) -> None:
         async with self._lock:
@@ -72,15 +103,18 @@ class ReplicaPublisher:
                     if not await lora[i].is_loaded(checkpoint):
                         await lora[i].load(checkpoint)
                     lora[i].switch(checkpoint)
-            else:
+            elif self.coordinator is None:
                 for replica in self.replicas.replicas:
                     replica.engine.use_adapter(None, checkpoint.version)
+            # With a coordinator, each replica's label follows the store's record of its weights instead.
             self.latest = checkpoint
 
     async def catch_up(self, index: int) -> None:
         """Bring one replica (out of service) to the latest version, and the canary if one is staged."""
         async with self._lock:
-            if self.latest is not None:
+            if self.latest is not None and self.latest.kind == "full":
+                await self._reload(index, self.latest)
+            elif self.latest is not None:
                 await self.publishers[index].publish(self.latest)
             if self.canary is not None and self.canary.kind == "lora":
                 await self._lora()[index].stage(self.canary)
@@ -157,8 +191,7 @@ class ReplicaPublisher:
         """What the replicas outside a full-weight canary serve: the last version published, or the base."""
         if self.latest is not None:
             return self.latest
-        base = cast(list[VLLMReloadPublisher], self.publishers)[0].server_model_dir
-        return Checkpoint(self.replicas.version, base, "full")
+        return Checkpoint(self.replicas.version, self.base_weights, "full")
 
     def _lora(self) -> list[VLLMLoRAPublisher]:
         if not all(isinstance(p, VLLMLoRAPublisher) for p in self.publishers):
@@ -178,12 +211,20 @@ class ReplicaPublisher:
         await asyncio.gather(*(lora[i].tidy() for i in targets if i not in failures))
         return failures
 
+    async def restore(self, index: int, checkpoint: Checkpoint) -> None:
+        """Reload one replica with weights it is known to have held (a reload interrupted by a process that
+        died left it in an unknown state), and put it back in service."""
+        async with self._lock:
+            failures = await self._publish_rolling(checkpoint, [index])
+        if failures:
+            raise PublishError(failures[index])
+
     async def _publish_rolling(self, checkpoint: Checkpoint, targets: list[int]) -> dict[int, str]:
         failures: dict[int, str] = {}
         for i in targets:
             self.replicas.drain(i, f"loading version {checkpoint.version}")
             try:
-                await self.publishers[i].publish(checkpoint)
+                await self._reload(i, checkpoint)
             except PublishError as exc:
                 failures[i] = f"{self.replicas.replicas[i].url}: {exc}"
                 self._failed(i, checkpoint, failures[i])
@@ -192,6 +233,25 @@ class ReplicaPublisher:
             finally:
                 self.replicas.replicas[i].publishing = False
         return failures
+
+    async def _reload(self, index: int, checkpoint: Checkpoint) -> None:
+        """Reload one replica, agreed with the other gateway processes when there are any."""
+        if self.coordinator is None:
+            await self.publishers[index].publish(checkpoint)
+            return
+        url = self.replicas.replicas[index].url
+        holds = await self.coordinator.begin_reload(url, checkpoint.version)
+        if holds is not None:
+            self.replicas.replicas[index].engine.use_adapter(None, holds)
+            return
+        try:
+            await self.publishers[index].publish(checkpoint)
+        except BaseException as exc:
+            # The publisher undid a failed reload (the old weights serve again), or the restore failed too
+            # and the replica goes out: either way its recorded version stays.
+            await asyncio.shield(self.coordinator.end_reload(url, None, None, f"{type(exc).__name__}: {exc}"))
+            raise
+        await asyncio.shield(self.coordinator.end_reload(url, checkpoint.version, checkpoint.path, None))
 
     def _failed(self, index: int, checkpoint: Checkpoint, reason: str) -> None:
         self.replicas.take_out(index, f"publishing version {checkpoint.version} failed: {reason}")

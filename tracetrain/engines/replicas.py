@@ -84,6 +84,8 @@ class ReplicaSet:
         self.health_interval_s = health_interval_s
         self.events: deque[ReplicaEvent] = deque(maxlen=1000)
         """Recent replica events, newest last (shown by `GET /v1/replicas`)."""
+        self.restarted: Callable[[int], Awaitable[None]] | None = None
+        """Told when a server this process started is started again, with its own weights (version 0)."""
         self.catch_up: Callable[[int], Awaitable[None]] | None = None
         """Brings a rejoining replica to the served version before it takes calls (ReplicaPublisher)."""
         self.canary: set[int] = set()
@@ -246,6 +248,8 @@ class ReplicaSet:
             log.warning("replica %s exited; starting it again", replica.url)
             replica.engine.use_adapter(None, 0)  # a fresh server serves the base weights
             replica.server.launch()
+            if self.restarted is not None:
+                await self.restarted(index)
             return
         healthy = await replica.engine.health()
         if self.router.up[index] and not healthy:

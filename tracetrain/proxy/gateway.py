@@ -15,6 +15,7 @@ from sqlmodel import Session
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
+from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
@@ -23,6 +24,7 @@ from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.render import ChatRenderer
+from tracetrain.proxy.replica_sync import ReplicaSync
 from tracetrain.store import holds, promotion, queries, search_index
 from tracetrain.store.messages import full_messages
 from tracetrain.store.trajectory import full_ids
@@ -72,7 +74,10 @@ class Gateway:
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.promotion = Promotion(config, engine, db)
         """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
+        self.replica_sync: ReplicaSync | None = None
+        """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
         self._publish_lock = asyncio.Lock()
+        self._replica_follower: asyncio.Task[None] | None = None
         self._holds: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._indexer: asyncio.Task[None] | None = None
@@ -83,6 +88,7 @@ class Gateway:
         await self.writer.start()
         if hasattr(self.engine, "start"):  # a replica set's health checks
             self.engine.start()
+        await self._start_replica_sync()
         self._holds = asyncio.create_task(mirror_store_holds(self.gate, lambda: self.read(holds.active_holders)))
         if self.promotion.enabled:
             self.promotion.publisher = cast(CanaryPublisher | None, self.publisher)
@@ -94,13 +100,29 @@ class Gateway:
             service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
-        for task in (self._holds, self._follower, self._indexer):
+        for task in (self._holds, self._follower, self._indexer, self._replica_follower):
             if task is not None:
                 task.cancel()
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
         for service in reversed(self.services):
             await asyncio.to_thread(service.stop)
         await self.writer.stop()
         await self.engine.close()
+
+    async def _start_replica_sync(self) -> None:
+        """Full weights reloaded in place: every gateway process on this store labels each replica's calls
+        with the weights the store records for it, and reloads wait for the others to stop sending."""
+        publisher = self.publisher
+        if not (isinstance(publisher, ReplicaPublisher) and publisher.reloads_in_place):
+            return
+        sync = ReplicaSync(publisher.replicas, read=self.read, write=self.writer.submit,
+                           base_weights=publisher.base_weights, restore=publisher.restore)
+        publisher.coordinator = sync
+        publisher.replicas.restarted = sync.reset
+        await sync.start()
+        self.replica_sync = sync
+        self._replica_follower = asyncio.create_task(sync.run())
 
     async def publish(self, checkpoint: Checkpoint) -> None:
         """Hand a checkpoint to the engine; on failure the engine keeps serving the old version."""

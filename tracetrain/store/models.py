@@ -174,6 +174,48 @@ class GenerationHold(SQLModel, table=True):
     expires_at: datetime
 
 
+class GatewayProcess(SQLModel, table=True):
+    """A gateway process on this store, alive while its heartbeat is recent: a full-weight reload waits
+    for every live process to stop sending to the replica being reloaded (store/replica_states.py)."""
+
+    __tablename__ = "gateway_processes"
+    id: str = Field(primary_key=True, max_length=128)
+    """host:pid:random, new for every process start."""
+    heartbeat_at: datetime
+
+
+class ReplicaState(SQLModel, table=True):
+    """The weights a vLLM replica holds, as the store records them for every gateway process in front of
+    it, and the full-weight reload under way, if any (claimed by one process under a lease)."""
+
+    __tablename__ = "replica_states"
+    url: str = Field(primary_key=True, max_length=512)
+    version: int = 0
+    """The version its weights are: what every process labels its calls with."""
+    checkpoint: str | None = Field(default=None, max_length=1024)
+    """Where those weights came from (None: the server's own model)."""
+    epoch: int = 0
+    """Counts reload claims: acknowledgements name the claim they answer."""
+    reloading_to: int | None = None
+    """The version being loaded while a reload is under way: no process sends calls to it meanwhile."""
+    owner: str | None = Field(default=None, max_length=128)
+    """The process doing the reload."""
+    expires_at: datetime | None = None
+    """The reload's lease: a claim its owner stops renewing (the process died) lapses here."""
+    failure: str | None = Field(default=None, max_length=2048)
+    """Why the last reload failed (the replica then holds `version` still, or is out)."""
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class ReplicaAck(SQLModel, table=True):
+    """A gateway process's word that it sends nothing to a replica under the reload claim `epoch`."""
+
+    __tablename__ = "replica_acks"
+    url: str = Field(primary_key=True, max_length=512)
+    epoch: int = Field(primary_key=True)
+    process: str = Field(primary_key=True, max_length=128)
+
+
 SESSION_ACTIONS = ("exclude", "include", "reward_override", "clear_reward_override")
 
 

@@ -80,18 +80,24 @@ def versions(url: str, model: str, n: int = 16) -> list[str]:
     return seen
 
 
+def publish_through(url: str, db_url: str, policy: Policy) -> None:
+    """What `tracetrain train --gateway-url` does: POST /v1/policies, then mark the version published."""
+    response = httpx.post(f"{url}/v1/policies", timeout=600,
+                          json={"version": policy.version, "checkpoint": policy.checkpoint, "kind": policy.kind})
+    assert response.status_code == 200, response.text
+    policy.published_at = utcnow()
+    with Session(open_engine(db_url)) as db:
+        db.add(policy)
+        db.commit()
+
+
 def test_a_version_published_through_one_worker_reaches_every_worker(
     workers_gateway: tuple[str, str], vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path
 ) -> None:
     url, db_url = workers_gateway
     assert set(versions(url, vllm_server.model_name)) == {"0"}
     adapter = save_lora(load_model(smollm2_path), tmp_path / "v1", seed=3)
-    response = httpx.post(f"{url}/v1/policies", timeout=120,
-                          json={"version": 1, "checkpoint": str(adapter), "kind": "lora"})
-    assert response.status_code == 200, response.text
-    with Session(open_engine(db_url)) as db:  # what the trainer writes once the gateway took the version
-        db.add(Policy(version=1, checkpoint=str(adapter), kind="lora", published_at=utcnow()))
-        db.commit()
+    publish_through(url, db_url, Policy(version=1, checkpoint=str(adapter), kind="lora"))
     time.sleep(3)  # each worker checks the store for newer published versions every second
     assert set(versions(url, vllm_server.model_name)) == {"1"}
     served = {httpx.get(f"{url}/v1/replicas", timeout=30, headers={"Connection": "close"}).json()["served_version"]
@@ -140,12 +146,7 @@ def test_a_full_weight_reload_through_one_worker_never_mislabels_a_call_in_anoth
         thread.start()
     try:
         time.sleep(2)
-        response = httpx.post(f"{url}/v1/policies", timeout=600,
-                              json={"version": 1, "checkpoint": str(checkpoint), "kind": "full"})
-        assert response.status_code == 200, response.text
-        with Session(open_engine(db_url)) as db:  # what the trainer writes once the gateway took the version
-            db.add(Policy(version=1, checkpoint=str(checkpoint), kind="full", published_at=utcnow()))
-            db.commit()
+        publish_through(url, db_url, Policy(version=1, checkpoint=str(checkpoint), kind="full"))
         time.sleep(4)
     finally:
         stop.set()

@@ -27,11 +27,16 @@ def _insert(db: Session, table: type[Any]) -> Any:
     return (postgresql if db.get_bind().dialect.name == "postgresql" else sqlite).insert(table)
 
 
+FORGOTTEN_AFTER = timedelta(hours=1)
+"""Processes silent this long (they died without unregistering) are deleted by the next heartbeat."""
+
+
 def heartbeat(db: Session, *, process: str) -> None:
     """Mark `process` alive now."""
     now = utcnow()
     insert = _insert(db, GatewayProcess).values(id=process, heartbeat_at=now)
     db.execute(insert.on_conflict_do_update(index_elements=["id"], set_={"heartbeat_at": now}))
+    db.execute(delete(GatewayProcess).where(col(GatewayProcess.heartbeat_at) < now - FORGOTTEN_AFTER))
 
 
 def forget_process(db: Session, *, process: str) -> None:

@@ -22,6 +22,7 @@ scale 0.05, seeds 1..reloads), the metric.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import tempfile
 import threading
@@ -37,7 +38,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.common import OUT_DIR, ResultTable, ServerProcess, console, free_port, percentile, python_cmd, write_results
 from bench.swap_latency import signature
 from tracetrain.engines.models import smollm2_dir
-from tracetrain.engines.vllm_server import VLLMServer, http_client
+from tracetrain.engines.publishing import Checkpoint
+from tracetrain.engines.vllm import VLLMEngine
+from tracetrain.engines.vllm_publish import VLLMReloadPublisher
+from tracetrain.engines.vllm_server import VLLMServer
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Policy, utcnow
 
@@ -88,14 +92,16 @@ def checkpoints(root: Path, count: int) -> tuple[list[Path], dict[int, float]]:
 
 
 def restore_base(server: VLLMServer, base_dir: Path) -> None:
-    with http_client(server.url, timeout=300) as client:
-        client.post("/pause", params={"mode": "wait"})
+    """Put the server's own weights back before an arm, with the project's reload publisher."""
+
+    async def reload() -> None:
+        engine = VLLMEngine(server.url, MODEL, timeout=300)
         try:
-            body = {"method": "reload_weights", "kwargs": {"weights_path": str(base_dir)}}
-            assert client.post("/collective_rpc", json=body).status_code == 200
-            client.post("/reset_prefix_cache")
+            await VLLMReloadPublisher(engine, base_dir).publish(Checkpoint(0, base_dir, "full"))
         finally:
-            client.post("/resume")
+            await engine.close()
+
+    asyncio.run(reload())
 
 
 def agent(url: str, max_tokens: int, stop: threading.Event, run: ArmRun) -> None:

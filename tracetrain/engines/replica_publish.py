@@ -36,8 +36,8 @@ class ReloadCoordinator(Protocol):
     """Agreement with the other gateway processes in front of the same replicas on a full-weight reload."""
 
     async def begin_reload(self, url: str, version: int) -> int | None:
-        """None once this process may reload `url`: no other process sends calls to it. Or the version
-        `url` already holds, when another process brought it to `version` or newer: nothing to reload.
+        """None once this process may reload `url`: no other process sends calls to it. Or `version`,
+        when another process already brought `url` to it (catching up after a failure): nothing to reload.
         `PublishError` if the other processes did not stop in time."""
 
     async def end_reload(self, url: str, version: int | None, checkpoint: Path | None, failure: str | None) -> None:

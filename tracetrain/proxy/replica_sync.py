@@ -105,9 +105,10 @@ class ReplicaSync:
             state = states.get(replica.url)
             if state is None or state.owner == self.process:
                 continue
-            if state.reloading_to is not None and not replica_states.claim_lapsed(state):
+            lapsed = replica_states.claim_lapsed(state)
+            if state.reloading_to is not None and not lapsed:
                 await self._stand_aside(index, state)
-            elif replica_states.claim_lapsed(state):
+            elif lapsed:
                 self._start_repair(index, state)
             elif index in self._stood_aside:
                 self._rejoin(index, state)
@@ -129,7 +130,8 @@ class ReplicaSync:
 
     def _rejoin(self, index: int, state: ReplicaState) -> None:
         """The reload this process stood aside for is over: label first, then route to it again."""
-        self._stood_aside.pop(index)
+        epoch = self._stood_aside.pop(index)
+        self._acknowledged.discard((state.url, epoch))
         replica = self.replicas.replicas[index]
         replica.engine.use_adapter(None, state.version)
         replica.publishing = False

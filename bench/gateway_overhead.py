@@ -182,7 +182,8 @@ class Target:
     via_gateway: bool
     api: Api
     meter: str = "gateway"
-    """Whose CPU the target's phases charge: `gateway`, or `baseline` for the `--baseline-src` gateway."""
+    """Which gateway the target goes to, and whose CPU its phases charge: `gateway`, `gateway ×4` for the
+    4-process gateway of `--gateway-workers 1,4`, or `baseline` for the `--baseline-src` gateway."""
 
     def path(self, session: str) -> str:
         return f"/s/{session}{self.api.path}" if self.via_gateway else self.api.path
@@ -252,13 +253,13 @@ Key = tuple[bool, int, str]
 
 
 class LoadRunner:
-    """Runs the phases; `received` collects every completion id the gateway answered with."""
+    """Runs the phases; `received` collects, per gateway (its meter), every completion id it answered with."""
 
     def __init__(self, plan: Plan, workload: Workload, meters: dict[str, Callable[[], float]]) -> None:
         self.plan = plan
         self.workload = workload
         self.meters = meters
-        self.received: set[str] = set()
+        self.received: dict[str, set[str]] = {}
         self.done = 0
 
     async def phase(
@@ -290,8 +291,8 @@ class LoadRunner:
                     finally:
                         self.done += 1
                     stats.samples.append(Sample(reply.latency_s, reply.first_token_s, completion_id, tokens))
-                    if target.via_gateway and target.meter == "gateway":  # the store checked afterwards
-                        self.received.add(completion_id)
+                    if target.via_gateway:  # each gateway's store is checked afterwards
+                        self.received.setdefault(target.meter, set()).add(completion_id)
                     conversation.advance(text)
             finally:
                 await conn.close()
@@ -388,6 +389,16 @@ def check_store(db_url: str, received: set[str], expected_tokens: int | None) ->
     links = Counter(link for cid, _, link in rows if cid in received)
     described = ", ".join(f"{link} {count}" for link, count in links.most_common())
     return StoreCheck(len(received), len(stored & received), len(received - stored), wrong, described)
+
+
+def check_stores(db_urls: dict[str, str], received: dict[str, set[str]], expected_tokens: int | None) -> StoreCheck:
+    """`check_store` for each gateway (by meter) on its own store, added up."""
+    checks = [check_store(url, received.get(meter, set()), expected_tokens) for meter, url in db_urls.items()]
+    wrong = None if expected_tokens is None else sum(c.wrong_tokens or 0 for c in checks)
+    links = "; ".join(f"{meter}: {c.links}" for meter, c in zip(db_urls, checks, strict=True)) if len(checks) > 1 \
+        else checks[0].links
+    return StoreCheck(sum(c.received for c in checks), sum(c.stored for c in checks),
+                      sum(c.missing for c in checks), wrong, links)
 
 
 # ---------------------------------------------------------------- servers
@@ -650,9 +661,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--upstream",
-        choices=["fixed", "vllm"],
+        choices=["fixed", "vllm", "torch"],
         default="fixed",
-        help="fixed-output server (default) or real vLLM CPU on SmolLM2",
+        help="fixed-output server (default), real vLLM CPU on SmolLM2, or `bench.torch_upstream` (transformers' "
+        "continuous batching, for a GPU without vLLM)",
+    )
+    p.add_argument("--torch-device", default="cuda", help="--upstream torch: the device it generates on")
+    p.add_argument(
+        "--torch-random-weights",
+        action="store_true",
+        help="--upstream torch: SmolLM2's architecture with random weights (same work per token), where the "
+        "weights cannot be copied",
+    )
+    p.add_argument(
+        "--gateway-workers",
+        default="1",
+        help="comma-separated process counts (`serve --workers N`): one gateway per count, each on its own "
+        "store, interleaved as targets (default 1)",
     )
     p.add_argument(
         "--upstream-url",
@@ -748,6 +773,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile and not args.py_spy:
         raise SystemExit("--profile needs py-spy (pip install py-spy, or --py-spy PATH)")
     gateway_env = dict(item.split("=", 1) for item in args.gateway_env)
+    worker_counts = [int(w) for w in args.gateway_workers.split(",")]
+    if args.db_url and len(worker_counts) > 1:
+        raise SystemExit("--db-url names one store; several --gateway-workers counts each need their own")
     apis = args.apis.split(",")
     if unknown := set(apis) - set(APIS):
         raise SystemExit(f"--apis: unknown {sorted(unknown)}; choose from {sorted(APIS)}")
@@ -760,48 +788,54 @@ def main(argv: list[str] | None = None) -> None:
     console.rule(f"[bold]gateway overhead · {args.upstream} upstream · {args.sessions} sessions")
     console.print(machine_line())
     upstream: Any = None
-    gateway: ServerProcess | None = None
-    baseline: ServerProcess | None = None
+    gateways: dict[str, ServerProcess] = {}
+    """By meter: `gateway` (the first count of --gateway-workers), `gateway ×N` for the others, `baseline`."""
+    db_urls: dict[str, str] = {}
     profiler: Profiler | None = None
     folded: Path | None = None
     try:
         with console.status("starting the upstream…"):
             upstream = start_upstream(args, model_dir)
+        vias: list[Target] = []
         with console.status("starting the gateway…"):
-            gateway = start_gateway(upstream.url, model_dir, db_url, gateway_env, args.gateway_src)
+            for i, workers in enumerate(worker_counts):
+                meter = "gateway" if i == 0 else f"gateway ×{workers}"
+                db_urls[meter] = db_url if i == 0 else f"sqlite:///{tmp / f'gateway-{workers}.db'}"
+                gateways[meter] = start_gateway(upstream.url, model_dir, db_urls[meter], gateway_env,
+                                                args.gateway_src, workers=workers)
+                port = int(gateways[meter].url.rsplit(":", 1)[1])
+                suffix = f" ×{workers}" if len(worker_counts) > 1 else ""
+                vias += [Target(gateway_name(api) + suffix, "127.0.0.1", port, via_gateway=True, api=APIS[api],
+                                meter=meter) for api in apis]
             if args.baseline_src:
-                baseline_db = f"sqlite:///{tmp / 'baseline.db'}" if db_url.startswith("sqlite") else db_url
-                baseline = start_gateway(upstream.url, model_dir, baseline_db, gateway_env, args.baseline_src)
-        console.print(f"upstream {upstream.url} · gateway {gateway.url} · store {db_url} · logs in {OUT_DIR}")
+                db_urls["baseline"] = f"sqlite:///{tmp / 'baseline.db'}" if db_url.startswith("sqlite") else db_url
+                gateways["baseline"] = start_gateway(upstream.url, model_dir, db_urls["baseline"], gateway_env,
+                                                     args.baseline_src)
+                port = int(gateways["baseline"].url.rsplit(":", 1)[1])
+                vias += [Target(f"gateway {api} (baseline)", "127.0.0.1", port, via_gateway=True,
+                                api=APIS[api], meter="baseline") for api in apis]
+        console.print(f"upstream {upstream.url} · gateways {[g.url for g in gateways.values()]} · store {db_url} · "
+                      f"logs in {OUT_DIR}")
         if args.profile:
-            profiler = Profiler(args.py_spy, gateway.pid, rate=250)
+            profiler = Profiler(args.py_spy, gateways["gateway"].pid, rate=250)
         meters: dict[str, Callable[[], float]] = {
-            "gateway": functools.partial(group_cpu_seconds, gateway.pid),
-            "loadgen": self_cpu_seconds,
+            meter: functools.partial(group_cpu_seconds, server.pid) for meter, server in gateways.items()
         }
-        if baseline is not None:
-            meters["baseline"] = functools.partial(group_cpu_seconds, baseline.pid)
+        meters["loadgen"] = self_cpu_seconds
         if upstream.process is not None:
             meters["upstream"] = functools.partial(group_cpu_seconds, upstream.process.pid)
         runner = LoadRunner(plan, workload, meters)
-        host, port = upstream.url.removeprefix("http://").rsplit(":", 1)
-        direct = Target("direct", host, int(port), via_gateway=False, api=APIS["chat"])
-        gateway_port = int(gateway.url.rsplit(":", 1)[1])
-        vias = [Target(gateway_name(api), "127.0.0.1", gateway_port, via_gateway=True, api=APIS[api]) for api in apis]
-        if baseline is not None:
-            baseline_port = int(baseline.url.rsplit(":", 1)[1])
-            vias += [Target(f"gateway {api} (baseline)", "127.0.0.1", baseline_port, via_gateway=True,
-                            api=APIS[api], meter="baseline") for api in apis]
+        host, upstream_port = upstream.url.removeprefix("http://").rsplit(":", 1)
+        direct = Target("direct", host, int(upstream_port), via_gateway=False, api=APIS["chat"])
         started = time.perf_counter()
         results = asyncio.run(runner.run([direct, *vias]))
         elapsed = time.perf_counter() - started
         folded = profiler.stop() if profiler else None
         with console.status("checking the store…"):
-            check = check_store(db_url, runner.received, None if vllm else args.max_tokens)
+            check = check_stores(db_urls, runner.received, None if vllm else args.max_tokens)
     finally:
-        for server in (gateway, baseline):
-            if server is not None:
-                server.stop()
+        for server in gateways.values():
+            server.stop()
         if upstream is not None:
             upstream.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -830,11 +864,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline_src:
         notes.append(f"baseline gateway source: {args.baseline_src}" + _commit_of(args.baseline_src)
                      + "; its own store of the same kind")
+    if len(worker_counts) > 1:
+        notes.append(f"gateway ×N = `serve --workers N` on its own SQLite store; gateways with "
+                     f"{', '.join(map(str, worker_counts))} processes, interleaved with direct in every round")
+    if args.upstream == "torch":
+        notes.append(f"torch upstream on {args.torch_device}: transformers' continuous batching, greedy, every "
+                     "answer max_tokens long" + (", SmolLM2's architecture with random weights"
+                                                 if args.torch_random_weights else ""))
     if gateway_env:
         notes.append(f"gateway environment: {gateway_env}")
     if folded is not None:
         notes.append(f"py-spy was attached (timings skewed); folded stacks: {folded.relative_to(REPO_ROOT)}")
-    name = args.output or "gateway_overhead" + ("_vllm" if vllm else "") + (
+    name = args.output or "gateway_overhead" + ("" if args.upstream == "fixed" else f"_{args.upstream}") + (
         "_profile" if args.profile else ""
     )
     command = " ".join(["python -m bench.gateway_overhead", *map(shlex.quote, argv or sys.argv[1:])])
@@ -871,6 +912,12 @@ def start_upstream(args: argparse.Namespace, model_dir: Path) -> Any:
             listen="tcp",  # the direct arm sends HTTP to it by host and port
         )
         return server.start()
+    if args.upstream == "torch":
+        port = free_port()
+        cmd = python_cmd("-m", "bench.torch_upstream", "--model", str(model_dir), "--port", str(port),
+                         "--device", args.torch_device, *(["--random-weights"] if args.torch_random_weights else []),
+                         *(["--dtype", "float32"] if args.torch_device == "cpu" else []))
+        return ServerProcess("torch_upstream", cmd, f"http://127.0.0.1:{port}").start(timeout=300)
     answer = orjson.dumps(fixed_answer(model_dir, args.max_tokens)).decode()
     port = free_port()
     cmd = python_cmd(

@@ -59,7 +59,7 @@ def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, worker
             return stats
 
         stats = asyncio.run(run())
-        check = check_store(db_url, runner.received, 16)
+        check = check_store(db_url, runner.received.get("gateway", set()), 16)
     finally:
         gateway.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -86,14 +86,16 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     """How trained weights reach this engine: in-process swap, or vLLM LoRA load or reload on every
     replica."""
     from tracetrain.engines.replica_publish import ReplicaPublisher
-    from tracetrain.engines.transformers_engine import TransformersEngine
+    from tracetrain.engines.replicas import ReplicaSet
     from tracetrain.engines.transformers_publish import InProcessPublisher
     from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 
     mode = config.train.publish
     if mode == "none":
         return None
-    if isinstance(engine, TransformersEngine):
+    # Told apart without importing the in-process engine's module: it imports torch, which a gateway in
+    # front of vLLM does not need (`pip install tracetrain` alone serves).
+    if not isinstance(engine, ReplicaSet):
         return InProcessPublisher(engine)
     if mode == "auto":
         mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"

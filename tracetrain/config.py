@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 from contextvars import ContextVar
 from pathlib import Path
@@ -131,10 +132,14 @@ class TrainConfig(BaseModel):
 
     def publishes_merged(self) -> bool:
         """Whether LoRA training reaches the engine as merged full weights (`publish: reload`, or `auto`
-        without a CUDA device). The trainer and the gateway both decide with this, so they agree."""
+        without a CUDA device). The trainer and the gateway both decide with this, so they agree when they
+        share a machine; where they do not, set `publish` explicitly. A gateway installed without torch
+        counts as having no CUDA device."""
         if not self.lora:
             return False
         if self.publish == "auto":
+            if importlib.util.find_spec("torch") is None:
+                return True
             import torch  # here, not at the top: loading a config must not cost a torch import
 
             return not torch.cuda.is_available()

@@ -427,9 +427,17 @@ def fixed_answer(model_dir: Path, tokens: int) -> dict[str, Any]:
 
 
 def start_gateway(
-    upstream_url: str, model_dir: Path, db_url: str, env: dict[str, str], src: Path | None, workers: int = 1
+    upstream_url: str,
+    model_dir: Path,
+    db_url: str,
+    env: dict[str, str],
+    src: Path | None,
+    workers: int = 1,
+    one_socket_per_worker: bool = True,
 ) -> ServerProcess:
-    """`tracetrain serve` in front of the upstream; from the source tree `src` when given."""
+    """`tracetrain serve` in front of the upstream; from the source tree `src` when given. With several
+    workers, returns once each listens (`one_socket_per_worker=False`, for a source tree older than
+    `proxy/processes.py` whose workers share one socket: once each worker process exists, plus 10 s)."""
     port = free_port()
     options = {
         "--engine": "vllm",
@@ -444,7 +452,31 @@ def start_gateway(
     if src is not None:
         env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)}
     url = f"http://127.0.0.1:{port}"
-    return ServerProcess("gateway", cmd, url, env=env, cwd=src).start(timeout=120)
+    server = ServerProcess("gateway", cmd, url, env=env, cwd=src).start(timeout=120)
+    if workers > 1 and one_socket_per_worker:
+        wait_for_listeners(port, workers)
+    elif workers > 1:
+        import psutil
+
+        while len(psutil.Process(server.pid).children()) < workers:
+            time.sleep(0.2)
+        time.sleep(10)
+    return server
+
+
+def wait_for_listeners(port: int, n: int, timeout_s: float = 120) -> None:
+    """Until `n` processes listen on `port`. /health answers once the first worker listens; a connection
+    opened before the others do stays on the workers already up, so a measurement would not use them all."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        if len(pids) >= n:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pids)} of {n} gateway workers listening after {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 class Profiler:

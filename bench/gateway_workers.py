@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import shutil
 import statistics
 import tempfile
@@ -25,28 +26,37 @@ from pathlib import Path
 
 from bench.common import ResultTable, console, group_cpu_seconds, machine_line, write_results
 from bench.gateway_overhead import (
+    APIS,
     LoadRunner,
     Plan,
     Stats,
     Target,
     Workload,
+    _commit_of,
     check_store,
     start_gateway,
     start_upstream,
 )
 
+Arm = tuple[int, str]
+"""(gateway processes, source): `tree` is the working tree, `baseline` the `--baseline-src` tree."""
 
-def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, workers: int, tag: str) -> dict[str, float]:
+
+def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, arm: Arm, tag: str) -> dict[str, float]:
+    workers, source = arm
     tmp = Path(tempfile.mkdtemp(prefix="tt-workers-"))
     db_url = f"sqlite:///{tmp / 'gateway.db'}"
-    gateway = start_gateway(upstream_url, model_dir, db_url, {}, None, workers=workers)
+    baseline = source == "baseline"
+    gateway = start_gateway(upstream_url, model_dir, db_url, {}, args.baseline_src if baseline else None,
+                            workers=workers, one_socket_per_worker=not baseline)
     try:
         plan = Plan(concurrencies=[args.concurrency], requests=args.requests, requests_serial=args.requests,
                     rounds=1, warmup=args.warmup, streams=[args.stream], phase_timeout_s=300,
                     request_timeout_s=120)
         workload = Workload(tag=tag, max_tokens=16, prompt_words=150, turns=1)
         runner = LoadRunner(plan, workload, {"gateway": functools.partial(group_cpu_seconds, gateway.pid)})
-        target = Target("gateway", "127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), via_gateway=True)
+        target = Target("gateway", "127.0.0.1", int(gateway.url.rsplit(":", 1)[1]), via_gateway=True,
+                        api=APIS["chat"])
 
         async def run() -> Stats:
             # Warm-up with every connection, so that each worker process has served (and compiled its
@@ -76,8 +86,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream", action="store_true", help="streamed requests instead of one-piece answers")
+    parser.add_argument("--baseline-src", type=Path,
+                        help="also run every count from this source tree (e.g. a `git archive` of an earlier "
+                             "commit), interleaved with the working tree's arms")
     args = parser.parse_args()
-    arms = [int(w) for w in args.workers.split(",")]
+    sources = ["tree", "baseline"] if args.baseline_src else ["tree"]
+    arms: list[Arm] = [(int(w), source) for w in args.workers.split(",") for source in sources]
 
     from tracetrain.engines.models import smollm2_dir
 
@@ -86,15 +100,16 @@ def main() -> None:
                                        token_delay_ms=0.0)
     console.print(machine_line())
     upstream = start_upstream(upstream_args, model_dir)
-    results: dict[int, list[dict[str, float]]] = {w: [] for w in arms}
+    results: dict[Arm, list[dict[str, float]]] = {arm: [] for arm in arms}
     try:
         for repeat in range(args.repeats):
             order = arms[repeat % len(arms):] + arms[:repeat % len(arms)]
-            for workers in order:
+            for arm in order:
                 started = time.perf_counter()
-                row = one_arm(args, upstream.url, model_dir, workers, f"w{workers}r{repeat}t{int(time.time())}")
-                results[workers].append(row)
-                console.log(f"repeat {repeat}, {workers} worker(s): {row['rps']:.0f} req/s, p50 {row['p50']:.1f} ms, "
+                tag = f"w{arm[0]}{arm[1]}r{repeat}t{int(time.time())}"
+                row = one_arm(args, upstream.url, model_dir, arm, tag)
+                results[arm].append(row)
+                console.log(f"repeat {repeat}, {_label(arm)}: {row['rps']:.0f} req/s, p50 {row['p50']:.1f} ms, "
                             f"gateway CPU {row['cpu']:.2f} ms/req, missing {row['missing']} "
                             f"({time.perf_counter() - started:.0f} s)")
     finally:
@@ -103,27 +118,40 @@ def main() -> None:
     table = ResultTable("Gateway processes: mean (min-max) over repeats",
                         ["workers", "runs", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "gateway CPU ms/req",
                          "errors", "missing from store"])
-    base = statistics.mean(r["rps"] for r in results[arms[0]])
-    for workers, rows in results.items():
+    for arm, rows in results.items():
         def cell(key: str, fmt: str, rows: list[dict[str, float]] = rows) -> str:
             values = [r[key] for r in rows]
             return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+        first = next(a for a in arms if a[1] == arm[1])  # the fewest processes from the same source
+        base = statistics.mean(r["rps"] for r in results[first])
         mean_rps = statistics.mean(r["rps"] for r in rows)
-        table.add(workers, len(rows), cell("rps", ".0f"), f"{mean_rps / base:.2f}x", cell("p50", ".1f"),
+        table.add(_label(arm), len(rows), cell("rps", ".0f"), f"{mean_rps / base:.2f}x", cell("p50", ".1f"),
                   cell("p99", ".1f"), cell("cpu", ".2f"), int(sum(r["errors"] for r in rows)),
                   int(sum(r["missing"] for r in rows)))
     console.print(table.rich())
     mode = "streamed" if args.stream else "one-piece (non-streamed)"
+    cores = os.cpu_count() or 0
     notes = [f"{mode} requests at concurrency {args.concurrency}, {args.requests} measured per arm after "
              f"{args.warmup} warm-up; a new session per request; fixed upstream with one worker",
-             "every arm a fresh gateway and SQLite store; arms in rotated order",
-             "2 cores shared by the gateway processes, the upstream and this load generator: more processes "
+             "every arm a fresh gateway and SQLite store; arms in rotated order; measured once every worker "
+             "listens",
+             f"{cores} cores shared by the gateway processes, the upstream and this load generator: more processes "
              "than cores cannot add throughput here"]
+    if args.baseline_src:
+        source = f"{args.baseline_src}{_commit_of(args.baseline_src)}"
+        notes.append(f"baseline: the gateway from {source} (workers on one shared socket, uvicorn's "
+                     "supervisor); measured once each worker process exists plus 10 s, as its workers cannot be "
+                     "told apart by their socket")
     command = "python -m bench.gateway_workers " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if k != "stream") + (" --stream" if args.stream else "")
-    path = write_results("gateway_workers" + ("_stream" if args.stream else ""),
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "stream" and v is not None
+    ) + (" --stream" if args.stream else "")
+    path = write_results("gateway_workers" + ("_stream" if args.stream else "") + ("_ab" if args.baseline_src else ""),
                          "Gateway processes on the fixed upstream", command, [table], notes)
     console.print(f"written to {path}")
+
+
+def _label(arm: Arm) -> str:
+    return f"{arm[0]}" + (" (baseline)" if arm[1] == "baseline" else "")
 
 
 if __name__ == "__main__":

@@ -162,13 +162,12 @@ WORKER_CONFIG = "TRACETRAIN_WORKER_CONFIG"
 
 
 def serve_workers(config: Config) -> None:
-    """`gateway_workers` uvicorn worker processes on one port. vLLM servers are started here, in the
+    """`gateway_workers` worker processes on one port (`proxy/processes.py`). vLLM servers are started here, in the
     supervising process, and restarted here when they die; each worker reaches them by URL and builds
     its own gateway on the shared store (`worker_app`)."""
     import threading
 
-    import uvicorn
-
+    from tracetrain.proxy.processes import run_workers
     from tracetrain.store.db import make_engine
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
@@ -189,10 +188,9 @@ def serve_workers(config: Config) -> None:
         os.environ[WORKER_CONFIG] = worker_config.model_dump_json()
         log.info("gateway on http://%s:%d with %d worker processes", config.host, config.port,
                  config.gateway_workers)
-        # uvicorn's supervisor handles SIGTERM itself: it stops the workers and returns here, and the
-        # ExitStack stops the vLLM servers.
-        uvicorn.run("tracetrain.cli:worker_app", factory=True, workers=config.gateway_workers, host=config.host,
-                    port=config.port, **UVICORN_OPTIONS)
+        # SIGTERM stops the workers and returns here; the ExitStack then stops the vLLM servers.
+        run_workers("tracetrain.cli:worker_app", workers=config.gateway_workers, host=config.host,
+                    port=config.port, options=UVICORN_OPTIONS)
 
 
 def _restart_dead(servers: list[Any], stop: Any, store: Any = None) -> None:

@@ -6,14 +6,19 @@ were not (proxy/replica_sync.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from sqlmodel import Session
 
@@ -165,3 +170,56 @@ def test_a_full_weight_reload_through_one_worker_never_mislabels_a_call_in_anoth
           f"first-token logprob {base_logprob:.4f} -> {new_logprob:.4f}; mislabelled {len(mislabelled)}")
     assert not mislabelled
     assert set(versions(url, model)) == {"1"}  # every worker labels the replica with the new weights
+
+
+def listening_workers(port: int) -> set[int]:
+    """Pids of the processes with a socket listening on `port` (each worker has its own)."""
+    return {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+            and c.pid is not None}
+
+
+def wait_for_workers(port: int, n: int, timeout_s: float = 120) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(pids := listening_workers(port)) < n:
+        assert time.monotonic() < deadline, f"{len(pids)} of {n} workers listening"
+        time.sleep(0.2)
+    return pids
+
+
+def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, str]) -> None:
+    """Each worker accepts on its own socket and the kernel spreads connections among them; with one shared
+    socket, the worker that wakes first takes a whole burst (proxy/processes.py)."""
+    url, _ = workers_gateway
+    port = int(url.rsplit(":", 1)[1])
+    workers = wait_for_workers(port, 2)
+    opened = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+    try:
+        time.sleep(0.5)  # every connection accepted
+        held = Counter(c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED
+                       and c.laddr.port == port and c.pid in workers)
+    finally:
+        for sock in opened:
+            sock.close()
+    assert sum(held.values()) == 32
+    # Hashing 32 connections over 2 sockets leaves fewer than 4 on one with probability about 2e-6.
+    assert min(held[pid] for pid in workers) >= 4, held
+
+
+def test_a_killed_worker_is_replaced_and_stopping_stops_them_all(workers_gateway: tuple[str, str],
+                                                                 vllm_server: RunningVLLM) -> None:
+    url, _ = workers_gateway
+    port = int(url.rsplit(":", 1)[1])
+    first, second = wait_for_workers(port, 2)
+    supervisor = psutil.Process(first).parent()
+    assert supervisor is not None
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while first in (pids := listening_workers(port)) or len(pids) < 2:
+        assert time.monotonic() < deadline, f"no replacement worker: {pids}"
+        time.sleep(0.2)
+    assert second in pids
+    assert versions(url, vllm_server.model_name, n=4) == ["0"] * 4  # the port still serves
+    workers = [psutil.Process(pid) for pid in pids]
+    supervisor.terminate()
+    gone, alive = psutil.wait_procs([supervisor, *workers], timeout=60)
+    assert not alive, alive

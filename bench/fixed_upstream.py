@@ -221,28 +221,10 @@ class FixedUpstream:
         self.render = Renderer(settings.answer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        request = await generation_request(scope, receive, send)
+        if request is None:
             return
-        path, method = scope["path"], scope["method"]
-        if method == "GET" and path == "/health":
-            await _respond(send, 200, b"", b"text/plain")
-            return
-        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
-            await _respond(send, 404, b'{"error":{"message":"not found","code":404}}')
-            return
-        try:
-            body = orjson.loads(await _read_body(receive))
-        except orjson.JSONDecodeError:
-            await _respond(send, 400, b'{"error":{"message":"invalid JSON","code":400}}')
-            return
+        path, body = request
         n = min(
             len(self.answer.token_ids),
             int(body.get("max_tokens") or body.get("max_completion_tokens") or len(self.answer.token_ids)),
@@ -350,6 +332,33 @@ class FixedUpstream:
     async def _pause(self) -> None:
         if self.settings.token_delay_s:
             await asyncio.sleep(self.settings.token_delay_s)
+
+
+async def generation_request(scope: Scope, receive: Receive, send: Send) -> tuple[str, dict[str, Any]] | None:
+    """Everything but generation: the lifespan protocol, `/health`, 404 and bad JSON answered here; for a
+    POST to `/v1/completions` or `/v1/chat/completions`, its path and JSON body."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return None
+    if scope["type"] != "http":
+        return None
+    path, method = scope["path"], scope["method"]
+    if method == "GET" and path == "/health":
+        await _respond(send, 200, b"", b"text/plain")
+        return None
+    if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+        await _respond(send, 404, b'{"error":{"message":"not found","code":404}}')
+        return None
+    try:
+        return path, orjson.loads(await _read_body(receive))
+    except orjson.JSONDecodeError:
+        await _respond(send, 400, b'{"error":{"message":"invalid JSON","code":400}}')
+        return None
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -40,11 +40,11 @@ from bench.fixed_upstream import (
     Scope,
     Send,
     _head,
-    _read_body,
     _respond,
     _send_more,
     _start_stream,
     _usage,
+    generation_request,
 )
 
 
@@ -114,24 +114,10 @@ class TorchUpstream:
         self.gen = generator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        request = await generation_request(scope, receive, send)
+        if request is None:
             return
-        path, method = scope["path"], scope["method"]
-        if method == "GET" and path == "/health":
-            await _respond(send, 200, b"", b"text/plain")
-            return
-        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
-            await _respond(send, 404, b'{"error":{"message":"not found","code":404}}')
-            return
-        body = orjson.loads(await _read_body(receive))
+        path, body = request
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         if path == "/v1/completions":
             await self.completions(body, n, send)

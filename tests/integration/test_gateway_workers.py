@@ -29,7 +29,7 @@ from tests.integration.test_publish import (
     save_full,
     save_lora,
 )
-from tests.support.servers import free_port
+from tests.support.servers import free_port, wait_until_healthy
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Policy, utcnow
 
@@ -57,16 +57,7 @@ def start_workers(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path,
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "gateway workers did not start"
-            time.sleep(0.3)
+        wait_until_healthy(process, url, log)
         yield url, db_url
     finally:
         process.terminate()

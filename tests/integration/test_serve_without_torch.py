@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 from sqlmodel import Session, select
 
 from tests.integration.conftest import RunningVLLM
-from tests.support.servers import free_port
+from tests.support.servers import free_port, wait_until_healthy
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Call
 
@@ -36,16 +35,7 @@ def test_the_gateway_serves_and_records_without_torch(vllm_server: RunningVLLM, 
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.3)
+        wait_until_healthy(process, url, log)
         response = httpx.post(f"{url}/s/no-torch/v1/chat/completions", timeout=120,
                               json={"model": vllm_server.model_name, "max_tokens": 4,
                                     "messages": [{"role": "user", "content": "Say hi."}]})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from transformers import AutoTokenizer
 
@@ -31,6 +32,20 @@ def free_port() -> int:
 
 
 @dataclass
+def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 120) -> None:
+    """Until the server `process` started answers `url`/health with 200; fails with its log's tail if it exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not healthy after {timeout_s:.0f} s"
+        time.sleep(0.3)
+
+
 class RunningGateway:
     url: str
     gateway: Gateway

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from sqlmodel import Session
 
+from tracetrain.engines.base import SamplingParams, TokenDelta
 from tracetrain.engines.publishing import Checkpoint
 from tracetrain.engines.replicas import Replica, ReplicaSet
 from tracetrain.engines.vllm import VLLMEngine
@@ -163,4 +164,36 @@ async def test_a_reload_whose_process_died_is_repaired_by_another(store: Any) ->
         await until(lambda: b.routable)
         assert b.label == 0
     finally:
+        await b.stop()
+
+
+async def test_a_process_taken_for_dead_follows_the_store_before_it_routes_again(store: Any) -> None:
+    """b's loop stalls past the liveness window (its follower stops), a reloads without waiting for it;
+    b's next call is sent under the version the store now records, not the label b had."""
+    a, b = await Process(store).start(), await Process(store).start()
+    sent_under: list[int] = []
+    engine = b.replicas.replicas[0].engine
+
+    async def record(prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        sent_under.append(engine.version)
+        yield TokenDelta(token_ids=[1], logprobs=[-0.1], text="x", finish_reason="stop")
+
+    async def healthy() -> bool:
+        return True
+
+    # The engine stands for vLLM: it answers health checks and records which label each call went with.
+    engine.generate = record  # type: ignore[method-assign]
+    engine.health = healthy  # type: ignore[method-assign]
+    try:
+        assert b.task is not None
+        b.task.cancel()  # b's loop stalls: no heartbeat, no poll
+        await asyncio.sleep(b.sync.liveness_s + 0.5)
+        assert await asyncio.wait_for(a.sync.begin_reload(URL, 1), 5) is None  # b is not waited for
+        await a.sync.end_reload(URL, 1, Path("/ckpt/v1"), None)
+        assert b.label == 0  # b has not seen the reload
+        async for _ in b.replicas.generate([1, 2, 3], SamplingParams(max_tokens=1)):
+            pass
+        assert sent_under == [1]
+    finally:
+        await a.stop()
         await b.stop()

@@ -31,7 +31,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
 def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 120) -> None:
     """Until the server `process` started answers `url`/health with 200; fails with its log's tail if it exits."""
     deadline = time.monotonic() + timeout_s
@@ -46,6 +45,7 @@ def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path, ti
         time.sleep(0.3)
 
 
+@dataclass
 class RunningGateway:
     url: str
     gateway: Gateway

@@ -88,6 +88,9 @@ class ReplicaSet:
         """Told when a server this process started is started again, with its own weights (version 0)."""
         self.catch_up: Callable[[int], Awaitable[None]] | None = None
         """Brings a rejoining replica to the served version before it takes calls (ReplicaPublisher)."""
+        self.fence: Callable[[], Awaitable[None]] | None = None
+        """Awaited before every call is routed: a process the others may have taken for dead (its event
+        loop stalled) learns what they did meanwhile before it sends anything (ReplicaSync.fence)."""
         self.canary: set[int] = set()
         """Replicas holding a full-weight canary (canary promotion): only requests that ask for its version
         go there, and those go nowhere else while one of them is in service."""
@@ -107,6 +110,8 @@ class ReplicaSet:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         self.start()
+        if self.fence is not None:
+            await self.fence()
         tried: set[int] = set()
         other_arm = self._other_arm(params.version)
         while True:

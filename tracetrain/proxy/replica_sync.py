@@ -12,8 +12,10 @@ it follows the other processes' reloads (`run`, every `interval_s`):
   and reloads the weights the store last recorded for it, before anyone routes to it.
 
 A replica's label always comes from the store, so a process started after a reload, or one that missed
-it, labels its calls with the weights the replica holds. What this does not cover: a process whose event
-loop stalls for longer than `liveness_s` while the others go ahead without its acknowledgement.
+it, labels its calls with the weights the replica holds. A process whose event loop stalled for longer
+than `liveness_s` may have been taken for dead and a reload done without its acknowledgement: before it
+routes a call (`fence`), a process whose last heartbeat and poll are older than half that window
+heartbeats and polls again.
 """
 
 from __future__ import annotations
@@ -70,13 +72,17 @@ class ReplicaSync:
         self._renewals: dict[str, asyncio.Task[None]] = {}
         self._claims: dict[str, int] = {}
         self._repairs: dict[int, asyncio.Task[None]] = {}
+        self._confirmed_at = float("-inf")
+        """Loop time of the last heartbeat followed by a poll: until then this process was alive to the
+        others, and it has seen what they claimed."""
+        self._confirming = asyncio.Lock()
+        replicas.fence = self.fence
 
     # --- following the other processes ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Register and take the store's record of every replica's weights before the first call."""
-        await self.write(lambda db: replica_states.heartbeat(db, process=self.process))
-        await self.sync_once()
+        await self._beat_and_sync()
 
     async def stop(self) -> None:
         for task in [*self._renewals.values(), *self._repairs.values()]:
@@ -87,17 +93,33 @@ class ReplicaSync:
             log.warning("unregistering gateway process %s failed: %s", self.process, exc)
 
     async def run(self) -> None:
-        beat = 0.0
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                if loop.time() - beat >= self.heartbeat_s:
-                    await self.write(lambda db: replica_states.heartbeat(db, process=self.process))
-                    beat = loop.time()
-                await self.sync_once()
+                if loop.time() - self._confirmed_at >= self.heartbeat_s:
+                    await self._beat_and_sync()
+                else:
+                    await self.sync_once()
             except Exception as exc:  # the store briefly away: keep every replica as it is, try again
                 log.warning("following the replicas' weights in the store failed: %s", exc)
+
+    async def fence(self) -> None:
+        """Before a call is routed: return at once, unless this process's heartbeat is old enough that
+        the others may have stopped waiting for it (its loop stalled); then heartbeat and poll first."""
+        if asyncio.get_running_loop().time() - self._confirmed_at <= self.liveness_s / 2:
+            return
+        async with self._confirming:
+            if asyncio.get_running_loop().time() - self._confirmed_at > self.liveness_s / 2:
+                log.warning("gateway process %s was silent for over %.0f s; following the store before routing",
+                            self.process, self.liveness_s / 2)
+                await self._beat_and_sync()
+
+    async def _beat_and_sync(self) -> None:
+        beat = asyncio.get_running_loop().time()
+        await self.write(lambda db: replica_states.heartbeat(db, process=self.process))
+        await self.sync_once()
+        self._confirmed_at = beat
 
     async def sync_once(self) -> None:
         states: dict[str, ReplicaState] = await self.read(replica_states.states)

@@ -177,12 +177,16 @@ def wait_for_workers(port: int, n: int, timeout_s: float = 120) -> set[int]:
     return pids
 
 
-def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, str]) -> None:
+def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, str], tmp_path: Path) -> None:
     """Each worker accepts on its own socket and the kernel spreads connections among them; with one shared
     socket, the worker that wakes first takes a whole burst (proxy/processes.py)."""
     url, _ = workers_gateway
     port = int(url.rsplit(":", 1)[1])
     workers = wait_for_workers(port, 2)
+    deadline = time.monotonic() + 10  # the supervisor says so too (it polls its workers' reports)
+    while "all 2 gateway workers listen" not in (tmp_path / "gateway.log").read_text():
+        assert time.monotonic() < deadline, "the supervisor did not log that every worker listens"
+        time.sleep(0.1)
     opened = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
     try:
         time.sleep(0.5)  # every connection accepted

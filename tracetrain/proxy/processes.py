@@ -11,15 +11,20 @@ to one of the listening sockets: the spread is even whatever the timing. The sup
 bound to the port (not listening, so it receives nothing) to fail at once when the port is taken and
 to hold it while a worker restarts. A worker that dies is started again; one that dies within
 `QUICK_EXIT_S` of its start `QUICK_EXITS` times in a row stops the gateway, since it will not start.
-Where the platform has no SO_REUSEPORT, uvicorn's own supervisor runs instead.
+Each worker reports once it listens, and the supervisor logs when all of them do: `/health` answers
+as soon as the first one listens, and connections opened before the others are up stay with it.
+Elsewhere than on Linux (where SO_REUSEPORT does not spread connections, or is missing) uvicorn's own
+supervisor runs instead.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -36,21 +41,30 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
     or SIGTERM; returns once every worker has stopped."""
     import uvicorn
 
-    if not hasattr(socket, "SO_REUSEPORT"):
+    if sys.platform != "linux":
         uvicorn.run(factory, factory=True, workers=workers, host=host, port=port, **options)
         return
     reserved = bind_reuseport(host, port)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     spawn = multiprocessing.get_context("spawn")
+    listening: Any = spawn.SimpleQueue()
     processes: list[Any] = []
     try:
         started = [time.monotonic()] * workers
         quick_exits = [0] * workers
+        ready: set[int] = set()
         for _ in range(workers):
-            processes.append(spawn.Process(target=_serve, args=(factory, host, port, options), name="gateway-worker"))
+            processes.append(spawn.Process(target=_serve, args=(factory, host, port, options, listening),
+                                           name="gateway-worker"))
             processes[-1].start()
         while not stop.wait(POLL_S):
+            while not listening.empty():
+                ready.add(listening.get())
+                alive = {p.pid for p in processes}
+                if len(ready & alive) == workers:
+                    log.info("all %d gateway workers listen on %s:%d", workers, host, port)
+                    ready &= alive
             for i, process in enumerate(processes):
                 if process.is_alive():
                     continue
@@ -59,7 +73,8 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
                     raise SystemExit(f"gateway worker exited {QUICK_EXITS} times within {QUICK_EXIT_S:.0f} s of "
                                      f"starting (last exit code {process.exitcode}); see the log above")
                 log.warning("gateway worker %s exited with %s; starting another", process.pid, process.exitcode)
-                processes[i] = spawn.Process(target=_serve, args=(factory, host, port, options), name="gateway-worker")
+                processes[i] = spawn.Process(target=_serve, args=(factory, host, port, options, listening),
+                                             name="gateway-worker")
                 processes[i].start()
                 started[i] = time.monotonic()
     finally:
@@ -83,12 +98,19 @@ def bind_reuseport(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(factory: str, host: str, port: int, options: dict[str, Any]) -> None:
-    """One worker: its own listening socket, uvicorn serving the factory's app on it."""
+def _serve(factory: str, host: str, port: int, options: dict[str, Any], listening: Any) -> None:
+    """One worker: its own listening socket, uvicorn serving the factory's app on it; its pid put on
+    `listening` once it accepts."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                listening.put(os.getpid())
+
     config = uvicorn.Config(factory, factory=True, host=host, port=port, **options)
-    uvicorn.Server(config).run(sockets=[bind_reuseport(host, port)])
+    Server(config).run(sockets=[bind_reuseport(host, port)])
 
 
 def _stop_all(processes: list[Any], grace_s: float) -> None:

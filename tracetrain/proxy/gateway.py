@@ -119,7 +119,6 @@ class Gateway:
         sync = ReplicaSync(publisher.replicas, read=self.read, write=self.writer.submit,
                            base_weights=publisher.base_weights, restore=publisher.restore)
         publisher.coordinator = sync
-        publisher.replicas.restarted = sync.reset
         await sync.start()
         self.replica_sync = sync
         self._replica_follower = asyncio.create_task(sync.run())

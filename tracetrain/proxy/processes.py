@@ -49,22 +49,25 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     spawn = multiprocessing.get_context("spawn")
     listening: Any = spawn.SimpleQueue()
+
+    def start_worker() -> Any:
+        process = spawn.Process(target=_serve, args=(factory, host, port, options, listening), name="gateway-worker")
+        process.start()
+        return process
+
     processes: list[Any] = []
     try:
+        processes = [start_worker() for _ in range(workers)]
         started = [time.monotonic()] * workers
         quick_exits = [0] * workers
-        ready: set[int] = set()
-        for _ in range(workers):
-            processes.append(spawn.Process(target=_serve, args=(factory, host, port, options, listening),
-                                           name="gateway-worker"))
-            processes[-1].start()
+        reported: set[int] = set()
+        announced = False
         while not stop.wait(POLL_S):
             while not listening.empty():
-                ready.add(listening.get())
-                alive = {p.pid for p in processes}
-                if len(ready & alive) == workers:
-                    log.info("all %d gateway workers listen on %s:%d", workers, host, port)
-                    ready &= alive
+                reported.add(listening.get())
+            if not announced and {p.pid for p in processes} <= reported:
+                log.info("all %d gateway workers listen on %s:%d", workers, host, port)
+                announced = True
             for i, process in enumerate(processes):
                 if process.is_alive():
                     continue
@@ -73,10 +76,7 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
                     raise SystemExit(f"gateway worker exited {QUICK_EXITS} times within {QUICK_EXIT_S:.0f} s of "
                                      f"starting (last exit code {process.exitcode}); see the log above")
                 log.warning("gateway worker %s exited with %s; starting another", process.pid, process.exitcode)
-                processes[i] = spawn.Process(target=_serve, args=(factory, host, port, options, listening),
-                                             name="gateway-worker")
-                processes[i].start()
-                started[i] = time.monotonic()
+                processes[i], started[i], announced = start_worker(), time.monotonic(), False
     finally:
         _stop_all(processes, grace_s=float(options.get("timeout_graceful_shutdown") or 5) + 5)
         for sig, handler in previous.items():

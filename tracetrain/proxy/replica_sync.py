@@ -76,7 +76,9 @@ class ReplicaSync:
         """Loop time of the last heartbeat followed by a poll: until then this process was alive to the
         others, and it has seen what they claimed."""
         self._confirming = asyncio.Lock()
+        # The replica set's hooks: before each call is routed, and when a server it started restarts.
         replicas.fence = self.fence
+        replicas.restarted = self.reset
 
     # --- following the other processes ---------------------------------------------------------------
 

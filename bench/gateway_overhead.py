@@ -450,7 +450,8 @@ def start_gateway(
     }
     cmd = python_cmd("-m", "tracetrain.cli", "serve", *[x for pair in options.items() for x in pair])
     if src is not None:
-        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)}
+        inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(src), inherited) if p)}
     url = f"http://127.0.0.1:{port}"
     server = ServerProcess("gateway", cmd, url, env=env, cwd=src).start(timeout=120)
     if workers > 1 and one_socket_per_worker:

@@ -47,8 +47,9 @@ def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, arm: A
     tmp = Path(tempfile.mkdtemp(prefix="tt-workers-"))
     db_url = f"sqlite:///{tmp / 'gateway.db'}"
     baseline = source == "baseline"
-    gateway = start_gateway(upstream_url, model_dir, db_url, {}, args.baseline_src if baseline else None,
-                            workers=workers, one_socket_per_worker=not baseline)
+    src = args.baseline_src if baseline else None
+    gateway = start_gateway(upstream_url, model_dir, db_url, {}, src, workers=workers,
+                            one_socket_per_worker=_socket_per_worker(src))
     try:
         plan = Plan(concurrencies=[args.concurrency], requests=args.requests, requests_serial=args.requests,
                     rounds=1, warmup=args.warmup, streams=[args.stream], phase_timeout_s=300,
@@ -85,6 +86,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000, help="measured requests per arm")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--upstream-workers", type=int, default=1, help="uvicorn workers of the fixed upstream")
+    parser.add_argument("--output", help="results file under bench/results, without .md (default from the options)")
     parser.add_argument("--stream", action="store_true", help="streamed requests instead of one-piece answers")
     parser.add_argument("--baseline-src", type=Path,
                         help="also run every count from this source tree (e.g. a `git archive` of an earlier "
@@ -96,8 +99,8 @@ def main() -> None:
     from tracetrain.engines.models import smollm2_dir
 
     model_dir = smollm2_dir()
-    upstream_args = argparse.Namespace(upstream="fixed", upstream_url=None, max_tokens=16, upstream_workers=1,
-                                       token_delay_ms=0.0)
+    upstream_args = argparse.Namespace(upstream="fixed", upstream_url=None, max_tokens=16,
+                                       upstream_workers=args.upstream_workers, token_delay_ms=0.0)
     console.print(machine_line())
     upstream = start_upstream(upstream_args, model_dir)
     results: dict[Arm, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -112,18 +115,24 @@ def main() -> None:
                 console.log(f"repeat {repeat}, {_label(arm)}: {row['rps']:.0f} req/s, p50 {row['p50']:.1f} ms, "
                             f"gateway CPU {row['cpu']:.2f} ms/req, missing {row['missing']} "
                             f"({time.perf_counter() - started:.0f} s)")
+            console.print(f"written to {write_table(args, arms, results)}")
     finally:
         upstream.stop()
 
+
+def write_table(args: argparse.Namespace, arms: list[Arm], results: dict[Arm, list[dict[str, float]]]) -> Path:
+    """The results file from the repeats done so far (rewritten after each, so a cut-short run keeps them)."""
     table = ResultTable("Gateway processes: mean (min-max) over repeats",
                         ["workers", "runs", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "gateway CPU ms/req",
                          "errors", "missing from store"])
     for arm, rows in results.items():
+        if not rows:
+            continue
         def cell(key: str, fmt: str, rows: list[dict[str, float]] = rows) -> str:
             values = [r[key] for r in rows]
             return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
         first = next(a for a in arms if a[1] == arm[1])  # the fewest processes from the same source
-        base = statistics.mean(r["rps"] for r in results[first])
+        base = statistics.mean(r["rps"] for r in results[first] or rows)
         mean_rps = statistics.mean(r["rps"] for r in rows)
         table.add(_label(arm), len(rows), cell("rps", ".0f"), f"{mean_rps / base:.2f}x", cell("p50", ".1f"),
                   cell("p99", ".1f"), cell("cpu", ".2f"), int(sum(r["errors"] for r in rows)),
@@ -132,22 +141,29 @@ def main() -> None:
     mode = "streamed" if args.stream else "one-piece (non-streamed)"
     cores = os.cpu_count() or 0
     notes = [f"{mode} requests at concurrency {args.concurrency}, {args.requests} measured per arm after "
-             f"{args.warmup} warm-up; a new session per request; fixed upstream with one worker",
+             f"{args.warmup} warm-up; a new session per request; fixed upstream with {args.upstream_workers} "
+             "worker(s)",
              "every arm a fresh gateway and SQLite store; arms in rotated order; measured once every worker "
              "listens",
-             f"{cores} cores shared by the gateway processes, the upstream and this load generator: more processes "
-             "than cores cannot add throughput here"]
+             f"{cores} cores shared by the gateway processes, the upstream and this load generator",
+             f"repeats done: {min(len(rows) for rows in results.values())} of {args.repeats}"]
     if args.baseline_src:
         source = f"{args.baseline_src}{_commit_of(args.baseline_src)}"
-        notes.append(f"baseline: the gateway from {source} (workers on one shared socket, uvicorn's "
-                     "supervisor); measured once each worker process exists plus 10 s, as its workers cannot be "
-                     "told apart by their socket")
+        notes.append(f"baseline: the gateway from {source}" + (
+            "" if _socket_per_worker(args.baseline_src) else " (workers on one shared socket, uvicorn's "
+            "supervisor); measured once each worker process exists plus 10 s, as its workers cannot be told "
+            "apart by their socket"))
     command = "python -m bench.gateway_workers " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "stream" and v is not None
     ) + (" --stream" if args.stream else "")
-    path = write_results("gateway_workers" + ("_stream" if args.stream else "") + ("_ab" if args.baseline_src else ""),
-                         "Gateway processes on the fixed upstream", command, [table], notes)
-    console.print(f"written to {path}")
+    name = args.output or "gateway_workers" + ("_stream" if args.stream else "") + (
+        "_ab" if args.baseline_src else "")
+    return write_results(name, "Gateway processes on the fixed upstream", command, [table], notes)
+
+
+def _socket_per_worker(src: Path | None) -> bool:
+    """Whether the gateway from `src` (None: the working tree) gives each worker its own socket."""
+    return src is None or (src / "tracetrain" / "proxy" / "processes.py").exists()
 
 
 def _label(arm: Arm) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 
 import pytest
 from sqlalchemy import text
@@ -82,3 +83,23 @@ def test_codec_round_trip_keeps_extremes() -> None:
     assert decode_ids(None) == []
     values = decode_floats(encode_floats([-1e-8, -30.0]))
     assert values[1] == -30.0 and values[0] == pytest.approx(-1e-8)
+
+
+async def test_sqlite_writers_take_turns_through_the_lock_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Another gateway process holding the lock file (here: another open file, which `flock` treats
+    alike) keeps this writer's commit waiting; it commits as soon as the lock is let go."""
+    path = tmp_path / "store.db"
+    engine = make_engine(f"sqlite:///{path}")
+    writer = StoreWriter(engine)
+    await writer.start()
+    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    with open(f"{path}-writelock", "a+b") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        pending = asyncio.ensure_future(writer.submit(lambda db: db.add(_call(1))))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        fcntl.flock(other, fcntl.LOCK_UN)
+        await asyncio.wait_for(pending, timeout=5)
+    await writer.stop()
+    with Session(engine) as db:
+        assert [c.id for c in db.exec(select(Call)).all()] == ["c1"]

@@ -38,6 +38,20 @@ def test_encode_gives_the_ids_transformers_gives(renderer: ChatRenderer) -> None
         assert renderer.encode(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False)), text
 
 
+def test_encoding_by_words_gives_the_ids_of_encoding_whole(renderer: ChatRenderer) -> None:
+    """New user messages are encoded word by word, words remembered across messages (proxy/segments.py):
+    prose, code, numbers, contractions, accents and odd spacing all give the whole text's ids, twice."""
+    assert renderer._segments is not None and renderer._segments.by_words
+    rng = random.Random(1)
+    words = ["the", "The", "THE", "agent's", "don't", "12", "345678", "x2", "naïve", "café", "日本", "🙂", "a.b",
+             "foo_bar", "(call)", '"quoted"', "end.", "line\n", "\n", "\t", "", "--", "I'll", "we've", "Straße"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 60))) for _ in range(400)]
+    for _ in range(2):
+        for text in texts:
+            prompt = renderer.render_text([{"role": "user", "content": text}], None, generation=True)
+            assert renderer.encode(prompt) == list(renderer.tokenizer.encode(prompt, add_special_tokens=False)), text
+
+
 def test_encoding_by_pieces_is_refused_where_it_would_change_the_ids() -> None:
     """A Metaspace pre-tokenizer that marks only the start of the text encodes `hi` after a special token
     unmarked, but alone marked: such a tokenizer gets no piece cache (the renderer encodes whole texts)."""
@@ -49,7 +63,8 @@ def test_encoding_by_pieces_is_refused_where_it_would_change_the_ids() -> None:
     backend.add_special_tokens(["<s>"])
     assert backend.encode("<s>hi there", add_special_tokens=False).ids != [1, 3, 4]  # the premise
     assert make_segment_encoder(backend, ["<s>hi there"]) is None
-    assert make_segment_encoder(backend, ["hi there"]) is not None  # no special token inside: no difference
+    encoder = make_segment_encoder(backend, ["hi there"])  # no special token inside: no difference
+    assert encoder is not None and not encoder.by_words  # not byte-level: words are not encoded alone
 
 
 def test_remembered_pieces_give_the_same_ids_again(renderer: ChatRenderer) -> None:

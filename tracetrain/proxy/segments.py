@@ -34,8 +34,9 @@ from cachetools import LRUCache
 
 CACHE_TOKENS = 2_000_000
 """How many remembered token ids: a few hundred long system prompts with their tools, ~20 MB."""
-CACHE_WORDS = 200_000
-"""How many remembered words (a word with its leading space and ids: ~200 bytes; ~40 MB at most)."""
+CACHE_WORDS = 50_000
+"""How many remembered words: a word with its leading space and ids takes ~250 bytes (measured), so
+~12 MB at most in each gateway process; a language's common words fit many times over."""
 _WORD_START = re.compile(r"(?<=[A-Za-z0-9])(?= [A-Za-z])")
 """Zero-width: `re.split` cuts there and keeps the space with the word after it."""
 _WORD_SAMPLES = [

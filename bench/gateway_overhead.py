@@ -133,7 +133,11 @@ class Workload:
     """vLLM: ask for a long text, so both paths run to max_tokens rather than an early EOS."""
 
     def user_text(self, n: int) -> str:
-        words = [WORDS[(n * 7 + i * 13) % len(WORDS)] for i in range(self.prompt_words)]
+        # One word in eight carries a number never sent before ("trace48213"), as ids, paths and counts do
+        # in agents' messages: the gateway remembers words it has encoded (proxy/segments.py), and a
+        # message of 42 words seen before would measure that cache, not the encoding.
+        words = [WORDS[(n * 7 + i * 13) % len(WORDS)] + (str(n * 1009 + i) if i % 8 == 7 else "")
+                 for i in range(self.prompt_words)]
         lead = "Write a long story about these words, never stopping: " if self.long_answer_prompt else ""
         return f"{lead}Request {n}: " + " ".join(words)
 

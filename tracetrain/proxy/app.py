@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -65,6 +66,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        # What is loaded by now (transformers, the tokenizer, templates, routes: ~340k objects) lives as
+        # long as the process. Frozen, the collector's full passes skip it: each walked all of it (~180 ms).
+        gc.freeze()
         try:
             yield
         finally:

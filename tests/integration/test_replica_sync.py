@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from sqlmodel import Session
 
 from tracetrain.engines.base import SamplingParams, TokenDelta
@@ -197,3 +198,38 @@ async def test_a_process_taken_for_dead_follows_the_store_before_it_routes_again
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_health_check_in_flight_does_not_bring_back_a_replica_drained_meanwhile() -> None:
+    """A replica's periodic health check awaits the server's answer; another process's reload drains the
+    replica meanwhile. The healthy answer, read against the now drained replica, must not put it back in
+    routing mid-reload, where this process's calls would go out labelled with the old version (seen once
+    as a mislabelled call in test_gateway_workers.py's reload under two worker processes)."""
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def health(_: web.Request) -> web.Response:
+        asked.set()
+        await release.wait()
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    replicas = ReplicaSet([Replica(VLLMEngine(f"http://127.0.0.1:{port}", "m"))])
+    try:
+        check = asyncio.create_task(replicas._check(0))
+        await asyncio.wait_for(asked.wait(), timeout=10)
+        replicas.drain(0, "version 1 loading through gateway process b")
+        release.set()
+        await asyncio.wait_for(check, timeout=10)
+        assert not replicas.router.up[0], "a replica being reloaded was put back in routing"
+        replicas.replicas[0].publishing = False  # the reload is over: the next check may bring it back
+        await replicas._check(0)
+        assert replicas.router.up[0]
+    finally:
+        await replicas.close()
+        await runner.cleanup()

@@ -257,6 +257,10 @@ class ReplicaSet:
                 await self.restarted(index)
             return
         healthy = await replica.engine.health()
+        if replica.publishing:
+            # Drained while the check awaited its answer (a reload, maybe by another gateway process):
+            # bringing it back now would route calls to it mid-reload, labelled with the old version.
+            return
         if self.router.up[index] and not healthy:
             self.take_out(index, "health check failed")
         elif not self.router.up[index] and healthy:
@@ -266,5 +270,7 @@ class ReplicaSet:
                 except Exception as exc:  # stays out; the next check tries again
                     self.replicas[index].reason = f"catching up failed: {exc}"
                     self.record(index, "publish_failed", str(exc))
+                    return
+                if replica.publishing:  # claimed for another reload meanwhile
                     return
             self.bring_back(index)

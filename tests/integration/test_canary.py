@@ -105,7 +105,7 @@ def test_a_broken_version_is_rolled_back_and_only_its_share_saw_it(canary_gatewa
     assert decision["canary_mean"] < decision["incumbent_mean"] and decision["interval"][1] < -0.1
     # Exactly the sessions whose hash falls in the share saw the canary, and it failed them. The last one
     # may have been served while the rollback landed (the decision loop runs beside the calls): then the
-    # incumbent answered it, and says so.
+    # incumbent answered it and says so, or the canary did and its session is set aside like the others.
     last = list(served)[-1]
     late = assigned_to_canary(last, SHARE) and served[last][0] == 0
     for session, (version, reward) in served.items():

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
 from sqlmodel import Session, select
 
+from tracetrain.store import promotion
 from tracetrain.store.codec import decode_floats, decode_ids, encode_floats, encode_ids
 from tracetrain.store.db import make_engine
 from tracetrain.store.models import AgentSession, Call, Reward
+from tracetrain.store.queries import CALL_COLUMNS, record_calls
 from tracetrain.store.writer import StoreWriter
 
 
@@ -103,3 +107,31 @@ async def test_sqlite_writers_take_turns_through_the_lock_file(tmp_path) -> None
     await writer.stop()
     with Session(engine) as db:
         assert [c.id for c in db.exec(select(Call)).all()] == ["c1"]
+
+
+async def test_a_session_recorded_after_its_canary_was_rolled_back_is_set_aside(db_url: str) -> None:
+    """A call routed to a canary just before its rollback may be recorded just after it, past the
+    rollback's own setting aside: the write sees the rollback and sets its new session aside itself."""
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        promotion.mark_published(db, version=1, checkpoint=Path("/v1"), kind="lora", promotion="canary")
+    writer = StoreWriter(engine)
+    await writer.start()
+
+    def record(session_id: str, check: bool) -> Any:
+        row = {name: value for name, value in _call(0, session_id).model_dump().items() if name in CALL_COLUMNS}
+        row.update(id=f"c-{session_id}", completion_id=f"cc-{session_id}", policy_version=1, prompt_tokens=3,
+                   prefix_len=0, completion_tokens=2)
+        new = {"id": session_id, "group_id": session_id, "owner": None, "policy_version": 1}
+        return writer.submit(lambda db: record_calls(db, session_id=session_id, new_session=new, rows=[row],
+                                                     check_rollback=check))
+
+    await record("before", True)
+    with Session(engine) as db:
+        assert promotion.decide(db, version=1, outcome=promotion.ROLLED_BACK, decision={"by": "test"})
+    await record("after", True)
+    await record("unchecked", False)  # immediate promotion: no check, as before
+    await writer.stop()
+    with Session(engine) as db:
+        reasons = {s.id: s.skip_reason for s in db.exec(select(AgentSession)).all()}
+    assert reasons == {"before": "rolled_back", "after": "rolled_back", "unchecked": None}

@@ -253,8 +253,9 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
 
     new_row = dict(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
                    policy_version=rows[0]["policy_version"]) if turn.new_session else None
+    check_rollback = gw.config.promotion == "canary"
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
-                                                           rows=rows))
+                                                           rows=rows, check_rollback=check_rollback))
     if turn.new_session:
         gw.new_session(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
         gw.metrics.sessions.inc()

@@ -13,6 +13,7 @@ from sqlmodel import Session, col, func, select
 
 from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call, Policy, Reward, utcnow
 from tracetrain.store.prepared import Prepared
+from tracetrain.store.promotion import ROLLED_BACK
 
 
 def get_session(db: Session, *, session_id: str) -> AgentSession | None:
@@ -38,6 +39,10 @@ _CHAINED_CHILD = Prepared(core_select(_CALLS.c.id).where(
     _CALLS.c.session_id == bindparam("sid"), _CALLS.c.parent_id == bindparam("parent"),
     _CALLS.c.link.in_([literal_column(f"'{link}'") for link in CHAINED_LINKS])).limit(1))
 _INSERT_CALLS = Prepared(insert(_CALLS), CALL_COLUMNS)
+_POLICIES: Table = Policy.__table__  # type: ignore[attr-defined]
+# FOR SHARE on PostgreSQL (SQLite renders nothing: the writer's IMMEDIATE transaction holds the file's lock).
+_PROMOTION_LOCKED = Prepared(core_select(_POLICIES.c.promotion).where(_POLICIES.c.version == bindparam("v"))
+                             .with_for_update(read=True))
 _SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version).where(
     _SESSIONS.c.id == bindparam("sid")))
 
@@ -129,7 +134,7 @@ def list_policies(db: Session) -> Sequence[Policy]:
 
 
 def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | None,
-                 rows: list[dict[str, Any]]) -> int:
+                 rows: list[dict[str, Any]], check_rollback: bool = False) -> int:
     """The serving core's write for one request: its session (`new_session`, the keyword arguments of
     `session_row` but model, calls and tokens; inserted if new, else touched) and one call row per
     choice (`CALL_COLUMNS` but seq and link); returns the request's call number.
@@ -137,13 +142,22 @@ def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | 
     The number (`seq`, shared by a request's choices) and whether a call extends its parent or branches
     from it are decided here, inside the write transaction, not from a gateway's memory: several
     gateway processes may serve one session. Touching the session row first locks it (PostgreSQL; on
-    SQLite the writer's transaction is IMMEDIATE), so two processes cannot take the same number."""
+    SQLite the writer's transaction is IMMEDIATE), so two processes cannot take the same number.
+
+    `check_rollback` (canary promotion): a session created here by a call of a version rolled back
+    meanwhile (routed before the rollback, recorded after it) is set aside at once, as the rollback did
+    for the sessions stored before it. The check holds the policy row's share lock, so a rollback
+    deciding just now waits for this write and then sets the session aside itself."""
     conn = db.connection()
     parent, link = rows[0]["parent_id"], rows[0]["link"]
     # The session's counts for the console's list: choices share the request's new prompt tokens.
     tokens = rows[0]["prompt_tokens"] - rows[0]["prefix_len"] + sum(row["completion_tokens"] for row in rows)
-    if new_session is not None and add_session_if_absent(db, row=session_row(
-            **new_session, model=rows[0]["model"], calls=len(rows), tokens=tokens)):
+    session = None if new_session is None else session_row(**new_session, model=rows[0]["model"],
+                                                          calls=len(rows), tokens=tokens)
+    if session is not None and check_rollback and session["policy_version"] is not None and \
+            _PROMOTION_LOCKED.execute(conn, {"v": session["policy_version"]}).fetchone() == (ROLLED_BACK,):
+        session["skip_reason"] = ROLLED_BACK
+    if session is not None and add_session_if_absent(db, row=session):
         seq = 0  # created just now, in this transaction: it has no calls and no parent to contend for
     else:
         _TOUCH_SESSION.execute(conn, {"sid": session_id, "now": utcnow(), "n": len(rows), "t": tokens})

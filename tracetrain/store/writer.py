@@ -7,8 +7,9 @@ transaction: one fsync for many calls. If a batch fails, its ops are retried one
 
 Several gateway processes on one SQLite file take turns through a file lock before they begin a write
 transaction. SQLite's own wait for its write lock is a busy handler that sleeps 1, 2, 5, 10 … 100 ms
-between tries, so a process that lost a race kept sleeping after the lock was free: with 4 processes on
-16 cores the gateway used under 1.4 cores and p99 reached 1.3 s (bench/results/gateway_overhead_h100_fixed.md).
+between tries, so a process that lost a race kept sleeping after the lock was free: on 16 cores, 8
+processes served 794 req/s with a p99 of 2.1 s, and with this lock 2,613 req/s with 150 ms
+(bench/results/gateway_workers_h100.md).
 A blocked `flock` wakes the moment the holder lets go, and the queued ops of the waiting process join its
 next batch meanwhile. The wait has no timeout: a process that dies releases the lock with its files, but
 one stopped while it holds it (SIGSTOP) holds up the others' writes until it goes on or is killed. Polling

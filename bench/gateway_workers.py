@@ -2,26 +2,31 @@
 
 The upstream (`bench.fixed_upstream`) answers in well under a millisecond, so what limits the rate is
 the gateway itself: this is where more processes should help, up to the cores there are. Arms are
-fresh gateways (`--workers 1`, `2`, `4`), each with its own SQLite store, in front of one upstream, run
+fresh gateways (`--workers 1`, `2`, `4`), each with its own store, in front of one upstream, run
 in rotated order `--repeats` times; each arm sends the same workload (`bench.gateway_overhead`'s: a new
 session per request, 150-word user messages, 16-token answers) at `--concurrency` connections after a
 warm-up. Reported per arm: req/s, p50/p99, gateway CPU ms per request (all its processes), and that
-every answered completion id is in the store.
+every answered completion id is in the store. Stores: a SQLite file per arm (default), or with
+`--store postgresql` a database per arm in one throwaway PostgreSQL cluster with its durable defaults
+(`initdb` + `pg_ctl`, as bench.store_throughput starts one), on the same machine.
 
     python -m bench.gateway_workers                    # about 4 minutes on a 2-core CPU
     python -m bench.gateway_workers --workers 1,2 --requests 500 --repeats 2
+    python -m bench.gateway_workers --store postgresql
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import ResultTable, console, group_cpu_seconds, machine_line, write_results
@@ -37,15 +42,17 @@ from bench.gateway_overhead import (
     start_gateway,
     start_upstream,
 )
+from bench.store_throughput import postgres
 
 Arm = tuple[int, str]
 """(gateway processes, source): `tree` is the working tree, `baseline` the `--baseline-src` tree."""
 
 
-def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, arm: Arm, tag: str) -> dict[str, float]:
+def one_arm(args: argparse.Namespace, upstream_url: str, model_dir: Path, arm: Arm, tag: str,
+            create_database: Callable[[str], str] | None) -> dict[str, float]:
     workers, source = arm
     tmp = Path(tempfile.mkdtemp(prefix="tt-workers-"))
-    db_url = f"sqlite:///{tmp / 'gateway.db'}"
+    db_url = create_database(tag) if create_database else f"sqlite:///{tmp / 'gateway.db'}"
     baseline = source == "baseline"
     src = args.baseline_src if baseline else None
     gateway = start_gateway(upstream_url, model_dir, db_url, {}, src, workers=workers,
@@ -89,6 +96,8 @@ def main() -> None:
     parser.add_argument("--upstream-workers", type=int, default=1, help="uvicorn workers of the fixed upstream")
     parser.add_argument("--output", help="results file under bench/results, without .md (default from the options)")
     parser.add_argument("--stream", action="store_true", help="streamed requests instead of one-piece answers")
+    parser.add_argument("--store", choices=["sqlite", "postgresql"], default="sqlite",
+                        help="each arm's store: a SQLite file, or a database in a throwaway PostgreSQL cluster")
     parser.add_argument("--baseline-src", type=Path,
                         help="also run every count from this source tree (e.g. a `git archive` of an earlier "
                              "commit), interleaved with the working tree's arms")
@@ -104,20 +113,20 @@ def main() -> None:
     console.print(machine_line())
     upstream = start_upstream(upstream_args, model_dir)
     results: dict[Arm, list[dict[str, float]]] = {arm: [] for arm in arms}
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(upstream.stop)
+        create_database = stack.enter_context(postgres(fsync=True)) if args.store == "postgresql" else None
         for repeat in range(args.repeats):
             order = arms[repeat % len(arms):] + arms[:repeat % len(arms)]
             for arm in order:
                 started = time.perf_counter()
                 tag = f"w{arm[0]}{arm[1]}r{repeat}t{int(time.time())}"
-                row = one_arm(args, upstream.url, model_dir, arm, tag)
+                row = one_arm(args, upstream.url, model_dir, arm, tag, create_database)
                 results[arm].append(row)
                 console.log(f"repeat {repeat}, {_label(arm)}: {row['rps']:.0f} req/s, p50 {row['p50']:.1f} ms, "
                             f"gateway CPU {row['cpu']:.2f} ms/req, missing {row['missing']} "
                             f"({time.perf_counter() - started:.0f} s)")
             console.print(f"written to {write_table(args, arms, results)}")
-    finally:
-        upstream.stop()
 
 
 def write_table(args: argparse.Namespace, arms: list[Arm], results: dict[Arm, list[dict[str, float]]]) -> Path:
@@ -143,8 +152,8 @@ def write_table(args: argparse.Namespace, arms: list[Arm], results: dict[Arm, li
     notes = [f"{mode} requests at concurrency {args.concurrency}, {args.requests} measured per arm after "
              f"{args.warmup} warm-up; a new session per request; fixed upstream with {args.upstream_workers} "
              "worker(s)",
-             "every arm a fresh gateway and SQLite store; arms in rotated order; measured once every worker "
-             "listens",
+             f"every arm a fresh gateway and store ({_store_note(args.store)}); arms in rotated order; "
+             "measured once every worker listens",
              f"{cores} cores shared by the gateway processes, the upstream and this load generator",
              f"repeats done: {min(len(rows) for rows in results.values())} of {args.repeats}"]
     if args.baseline_src:
@@ -157,8 +166,15 @@ def write_table(args: argparse.Namespace, arms: list[Arm], results: dict[Arm, li
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "stream" and v is not None
     ) + (" --stream" if args.stream else "")
     name = args.output or "gateway_workers" + ("_stream" if args.stream else "") + (
-        "_ab" if args.baseline_src else "")
+        "_ab" if args.baseline_src else "") + ("_postgresql" if args.store == "postgresql" else "")
     return write_results(name, "Gateway processes on the fixed upstream", command, [table], notes)
+
+
+def _store_note(store: str) -> str:
+    if store == "postgresql":
+        return ("a database of its own in one PostgreSQL cluster on this machine, fsync on, "
+                "synchronous_commit on")
+    return "a SQLite file of its own"
 
 
 def _socket_per_worker(src: Path | None) -> bool:

@@ -52,6 +52,37 @@ def test_encoding_by_words_gives_the_ids_of_encoding_whole(renderer: ChatRendere
             assert renderer.encode(prompt) == list(renderer.tokenizer.encode(prompt, add_special_tokens=False)), text
 
 
+def test_encoding_numbers_digit_by_digit_gives_the_ids_of_encoding_whole(renderer: ChatRenderer) -> None:
+    """SmolLM2 has no token holding a digit with anything else, so numbers are cut out of words and encoded
+    digit by digit (proxy/segments.py): numbers next to letters, signs, other numbers, every kind of
+    whitespace and non-ASCII digits all give the whole text's ids."""
+    assert renderer._segments is not None and renderer._segments.by_digits
+    rng = random.Random(2)
+    parts = ["trace", "48213", "7", "0", "00", " ", "  ", "\t", "\t\t", "\n", "\n\n", "\u00a0", "\u2003", "\x1c",
+             "x", "ID", "-", ".", ",", "_", "'s", "²", "٣", "日", "🙂", "v", "e", "(", "%", "$", "#"]
+    texts = ["".join(rng.choice(parts) for _ in range(rng.randint(1, 40))) for _ in range(3000)]
+    for _ in range(2):
+        for text in texts:
+            assert renderer.encode(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def test_numbers_stay_whole_where_the_vocabulary_merges_digits() -> None:
+    """A byte-level BPE trained here on numbers learns tokens such as `12`: a digit is no wall there, so its
+    encoder keeps numbers inside words, and still gives the whole text's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    corpus = [f"item {n} costs {n * 12} and {n % 7}x{n % 13}" for n in range(2000)]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert any(len(t) > 1 and any(c.isdigit() for c in t) for t in backend.get_vocab())  # the premise
+    encoder = make_segment_encoder(backend, ["<s>item 12 costs 144"])
+    assert encoder is not None and encoder.by_words and not encoder.by_digits
+    for text in ["<s>item 1234 costs 14808 and 2x12", "trace48213 see 48213, 1,000 a\t\t4"]:
+        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+
 def test_encoding_by_pieces_is_refused_where_it_would_change_the_ids() -> None:
     """A Metaspace pre-tokenizer that marks only the start of the text encodes `hi` after a special token
     unmarked, but alone marked: such a tokenizer gets no piece cache (the renderer encodes whole texts)."""

@@ -194,6 +194,32 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / _TICKS
 
 
+THREAD_CPU_PARTS = ("loop user", "loop sys", "threads user", "threads sys")
+"""`thread_cpu_seconds`'s parts: each process's main thread (where the event loop runs) and its other
+threads (store writes, reads, executors), user and system time apart."""
+
+
+def thread_cpu_seconds(pgid: int, part: str) -> float:
+    """One of `THREAD_CPU_PARTS` in CPU seconds, over the live processes of process group `pgid`."""
+    on_loop, column = part.startswith("loop"), 11 if part.endswith("user") else 12
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
+                    continue
+            for task in os.scandir(f"/proc/{entry.name}/task"):
+                if (task.name == entry.name) != on_loop:
+                    continue
+                with open(f"{task.path}/stat", "rb") as f:
+                    total += int(f.read().rsplit(b")", 1)[1].split()[column])
+        except OSError:
+            continue
+    return total / _TICKS
+
+
 def self_cpu_seconds() -> float:
     times = os.times()
     return times.user + times.system

@@ -50,6 +50,7 @@ from bench.client import Connection, HTTPFailure
 from bench.common import (
     OUT_DIR,
     REPO_ROOT,
+    THREAD_CPU_PARTS,
     ResultTable,
     ServerProcess,
     console,
@@ -59,6 +60,7 @@ from bench.common import (
     percentile,
     python_cmd,
     self_cpu_seconds,
+    thread_cpu_seconds,
     write_results,
 )
 
@@ -484,6 +486,20 @@ def wait_for_listeners(port: int, n: int, timeout_s: float = 120) -> None:
         time.sleep(0.2)
 
 
+def pin(pgid: int, cpus: set[int]) -> None:
+    """Every thread of process group `pgid` onto `cpus`; threads started later inherit their creator's."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            for task in os.scandir(f"/proc/{entry.name}/task"):
+                os.sched_setaffinity(int(task.name), cpus)
+        except OSError:
+            continue
+
+
 class Profiler:
     """py-spy attached to the gateway, writing folded stacks; summarised into tables afterwards."""
 
@@ -649,6 +665,18 @@ def report(
                     _ms(t.cpu_ms_per_request("upstream")),
                     _ms(t.cpu_ms_per_request("loadgen")),
                 )
+    threads = ResultTable(
+        "Gateway CPU by thread, ms/req (the first gateway's processes: the event loop's thread, the others; "
+        "user and system time)",
+        ["mode", "conc", "target", *THREAD_CPU_PARTS, "total"],
+    )
+    for stream in plan.streams:
+        for c in plan.concurrencies:
+            for via in vias:
+                if via.meter == "gateway":
+                    t = results[(stream, c, via.name)]
+                    parts = [t.cpu_ms_per_request(f"gateway {part}") for part in THREAD_CPU_PARTS]
+                    threads.add(_mode(stream), c, via.name, *map(_ms, parts), _ms(sum(parts)))
     store = ResultTable(
         "Store check: every completion id the load generator got from the gateway, looked up in `calls`",
         ["received ids", "found in calls", "missing from store", "wrong completion_tokens", "links"],
@@ -667,7 +695,7 @@ def report(
                 f"throughput >= 90% of direct at c=16 ({_mode(stream)})", f"{ratio:.0%}", _yes(ratio >= 0.9)
             )
     targets.add("missing from store: 0", str(check.missing), _yes(check.missing == 0))
-    tables = [summary, detail, store, targets]
+    tables = [summary, detail, threads, store, targets]
     errors: Counter[str] = Counter()
     for t in results.values():
         errors.update(t.errors)
@@ -761,6 +789,14 @@ def _parser() -> argparse.ArgumentParser:
         "on its own store, and interleave its targets with the working tree's: an A/B in one run",
     )
     p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="GATEWAY=CPUS",
+        help="run a gateway's processes on these CPUs only, e.g. `gateway=2` or `baseline=2,3` (repeatable): "
+        "with --baseline-src set to a copy of the same tree, pinned against unpinned",
+    )
+    p.add_argument(
         "--gateway-env",
         action="append",
         default=[],
@@ -814,6 +850,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.db_url and len(worker_counts) > 1:
         raise SystemExit("--db-url names one store; several --gateway-workers counts each need their own")
     apis = args.apis.split(",")
+    pins = {name: {int(c) for c in cpus.split(",")} for name, _, cpus in (p.partition("=") for p in args.pin)}
+    if unknown := set(pins) - {"gateway", "baseline"}:
+        raise SystemExit(f"--pin: unknown gateway {sorted(unknown)}; name `gateway` or `baseline`")
+    if missing := set().union(*pins.values()) - os.sched_getaffinity(0):
+        raise SystemExit(f"--pin: this machine has no CPU {sorted(missing)} for this process")
     if unknown := set(apis) - set(APIS):
         raise SystemExit(f"--apis: unknown {sorted(unknown)}; choose from {sorted(APIS)}")
 
@@ -853,11 +894,15 @@ def main(argv: list[str] | None = None) -> None:
                                 api=APIS[api], meter="baseline") for api in apis]
         console.print(f"upstream {upstream.url} · gateways {[g.url for g in gateways.values()]} · store {db_url} · "
                       f"logs in {OUT_DIR}")
+        for meter, cpus in pins.items():
+            pin(gateways[meter].pid, cpus)
         if args.profile:
             profiler = Profiler(args.py_spy, gateways["gateway"].pid, rate=250)
         meters: dict[str, Callable[[], float]] = {
             meter: functools.partial(group_cpu_seconds, server.pid) for meter, server in gateways.items()
         }
+        for part in THREAD_CPU_PARTS:  # where the first gateway's CPU goes: its event loop or other threads
+            meters[f"gateway {part}"] = functools.partial(thread_cpu_seconds, gateways["gateway"].pid, part)
         meters["loadgen"] = self_cpu_seconds
         if upstream.process is not None:
             meters["upstream"] = functools.partial(group_cpu_seconds, upstream.process.pid)
@@ -908,6 +953,9 @@ def main(argv: list[str] | None = None) -> None:
         notes.append(f"torch upstream on {args.torch_device}: transformers' continuous batching, greedy, every "
                      "answer max_tokens long" + (", SmolLM2's architecture with random weights"
                                                  if args.torch_random_weights else ""))
+    for meter, cpus in pins.items():
+        which = "gateway" if meter == "gateway" else "baseline gateway"
+        notes.append(f"{which} pinned to CPU {','.join(map(str, sorted(cpus)))} (every thread)")
     if gateway_env:
         notes.append(f"gateway environment: {gateway_env}")
     if folded is not None:

@@ -41,7 +41,12 @@ def open_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
     survive a power cut, not just a killed process; group commit keeps its cost to one fsync per batch."""
     json_codec: dict[str, Any] = {"json_serializer": _to_json, "json_deserializer": orjson.loads}
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **json_codec)
+        # LIFO: the connection just returned is taken again, so its page cache is the one holding what
+        # this process last wrote. The default FIFO pool rotated the gateway's reads and the writer's
+        # commits over several connections, and a connection that finds the file changed since its last
+        # transaction drops its whole cache: 45 page reads (pread) per call instead of 8 (strace, c=1).
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_use_lifo=True,
+                               **json_codec)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]

@@ -118,6 +118,7 @@ def serve(config: Config, *, train: bool = False) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from tracetrain.engines.replicas import ReplicaSet
     from tracetrain.proxy.app import build_app
     from tracetrain.proxy.gateway import Gateway
     from tracetrain.store.db import make_engine
@@ -138,6 +139,17 @@ def serve(config: Config, *, train: bool = False) -> None:
                                                   hold=gateway.hold_for_training))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
+        if config.gateway_cpus:
+            if train:
+                raise SystemExit("configuration error: gateway_cpus with --train would confine the trainer in the "
+                                 "gateway process to those CPUs; run it as its own process (`tracetrain train`)")
+            if not isinstance(engine, ReplicaSet):
+                raise SystemExit("configuration error: gateway_cpus with the in-process transformers engine would "
+                                 "confine generation to those CPUs; use engine: vllm")
+            # Here, after any vLLM server started (a child would inherit the affinity): the event loop's
+            # thread, and the store's threads it starts from now on.
+            os.sched_setaffinity(0, config.gateway_cpus)
+            log.info("gateway pinned to CPU %s", ",".join(map(str, config.gateway_cpus)))
         if train and config.train.uses_fsdp:
             from tracetrain.trainer.fsdp_backend import start_ray
 
@@ -184,13 +196,15 @@ def serve_workers(config: Config) -> None:
         threading.Thread(target=_restart_dead, args=(servers, stop, store), daemon=True).start()
         # The workers reach the servers started here by URL; a socket travels as `unix:/path`, which
         # the workers run as this user may open (its directory is this user's alone).
-        worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm"})
+        # Each worker is put on its CPU before it starts (processes.py): it does not pin itself again.
+        worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm",
+                                                  "gateway_cpus": []})
         os.environ[WORKER_CONFIG] = worker_config.model_dump_json()
         log.info("gateway on http://%s:%d with %d worker processes", config.host, config.port,
                  config.gateway_workers)
         # SIGTERM stops the workers and returns here; the ExitStack then stops the vLLM servers.
-        run_workers("tracetrain.cli:worker_app", workers=config.gateway_workers, host=config.host,
-                    port=config.port, options=UVICORN_OPTIONS)
+        run_workers("tracetrain.cli:worker_app", workers=config.gateway_workers, cpus=config.gateway_cpus,
+                    host=config.host, port=config.port, options=UVICORN_OPTIONS)
 
 
 def _restart_dead(servers: list[Any], stop: Any, store: Any = None) -> None:
@@ -307,6 +321,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("db-url", str), ("vllm-port", int), ("admin-key", str), ("replicas", int)):
         serve_p.add_argument(f"--{flag}", type=kind)
     serve_p.add_argument("--workers", type=int, dest="gateway_workers", help="gateway processes on the port")
+    serve_p.add_argument("--gateway-cpus", dest="gateway_cpus",
+                         help="CPUs for the gateway's processes, e.g. 2,3 or 2-5 (each worker on one, in turn)")
     serve_p.add_argument("--engine-url", action="append", dest="engine_url",
                          help="a running vLLM server (repeatable: several are replicas)")
     serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")

@@ -218,3 +218,38 @@ def test_a_killed_worker_is_replaced_and_stopping_stops_them_all(workers_gateway
     supervisor.terminate()
     gone, alive = psutil.wait_procs([supervisor, *workers], timeout=60)
     assert not alive, alive
+
+
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of process `pid`."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gateway_cpus_pin_every_thread_of_each_gateway_process(
+    workers: int, vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """`--gateway-cpus 0-1`: one process on both CPUs, or each of two workers on one; the store's threads,
+    started by the first calls, inherit it."""
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    command = [sys.executable, "-m", "tracetrain.cli", "serve", "--workers", str(workers), "--gateway-cpus", "0-1",
+               "--engine", "vllm", "--engine-url", vllm_server.url, "--model", str(smollm2_path),
+               "--served-model-name", vllm_server.model_name, "--db-url", f"sqlite:///{tmp_path / 'store.db'}",
+               "--port", str(port)]
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(process, url, log)
+        pids = wait_for_workers(port, workers)
+        versions(url, vllm_server.model_name, n=6)  # every worker answers (fresh connections) and records
+        pinned = {pid: thread_cpus(pid) for pid in pids}
+        if workers == 1:
+            assert pinned == {process.pid: {frozenset({0, 1})}}
+            assert "gateway pinned to CPU 0,1" in log.read_text()
+        else:
+            assert sorted(pinned.values(), key=sorted) == [{frozenset({0})}, {frozenset({1})}], pinned
+            assert thread_cpus(process.pid) != {frozenset({0})}  # the supervisor itself is not pinned
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -155,3 +155,24 @@ def test_canary_promotion_needs_both_versions_in_the_engines() -> None:
     assert Config(promotion="canary", engine="transformers", train={"publish": "inprocess"}).promotion == "canary"
     with pytest.raises(ValueError, match="canary_max_sessions"):
         Config(promotion="canary", canary_min_sessions=50, canary_max_sessions=20)
+
+
+def test_gateway_cpus_take_lists_and_ranges_from_every_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Config(gateway_cpus="0").gateway_cpus == [0]
+    assert Config(gateway_cpus=[1, 0, 1]).gateway_cpus == [0, 1]
+    assert load_config(None, gateway_cpus="0-1").gateway_cpus == [0, 1]
+    monkeypatch.setenv("TRACETRAIN_GATEWAY_CPUS", "1,0")
+    assert load_config(None).gateway_cpus == [0, 1]
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("two", "not a CPU number"), ("1-", "not a CPU number"), ("4096", "not available to this process"),
+])
+def test_gateway_cpus_that_cannot_be_pinned_are_refused_when_the_config_loads(value: str, words: str) -> None:
+    with pytest.raises(ValidationError, match=words):
+        Config(gateway_cpus=value)
+
+
+def test_gateway_cpus_refuse_an_in_process_engine() -> None:
+    with pytest.raises(ValidationError, match="engine: transformers generates in it"):
+        Config(gateway_cpus="0", engine="transformers")

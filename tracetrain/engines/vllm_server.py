@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -157,6 +158,15 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _start_child(cpus: set[int] | None) -> None:
+    """In the server's process, before vLLM runs: `die_with_parent`, and the CPUs its starter had when
+    the server was made (a gateway pinned since, `gateway_cpus`, would otherwise pass its own on)."""
+    die_with_parent()
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -224,6 +234,7 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / default_log
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
+        self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
     @property
     def url(self) -> str:
@@ -316,7 +327,7 @@ class VLLMServer:
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True, preexec_fn=die_with_parent,
+                env=self.environment(), start_new_session=True, preexec_fn=functools.partial(_start_child, self._cpus),
             )
 
     def wait_healthy(self) -> None:

@@ -36,9 +36,11 @@ QUICK_EXITS = 3
 POLL_S = 0.5
 
 
-def run_workers(factory: str, *, workers: int, host: str, port: int, options: dict[str, Any]) -> None:
+def run_workers(factory: str, *, workers: int, host: str, port: int, options: dict[str, Any],
+                cpus: list[int] | None = None) -> None:
     """Serve the ASGI app that `factory` ("module:function") builds in `workers` processes until SIGINT
-    or SIGTERM; returns once every worker has stopped."""
+    or SIGTERM; returns once every worker has stopped. With `cpus`, worker i runs on `cpus[i % len]`
+    alone (a restarted worker on the same one)."""
     import uvicorn
 
     if sys.platform != "linux":
@@ -50,14 +52,16 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
     spawn = multiprocessing.get_context("spawn")
     listening: Any = spawn.SimpleQueue()
 
-    def start_worker() -> Any:
-        process = spawn.Process(target=_serve, args=(factory, host, port, options, listening), name="gateway-worker")
+    def start_worker(i: int) -> Any:
+        cpu = cpus[i % len(cpus)] if cpus else None
+        process = spawn.Process(target=_serve, args=(factory, host, port, options, listening, cpu),
+                                name="gateway-worker")
         process.start()
         return process
 
     processes: list[Any] = []
     try:
-        processes = [start_worker() for _ in range(workers)]
+        processes = [start_worker(i) for i in range(workers)]
         started = [time.monotonic()] * workers
         quick_exits = [0] * workers
         reported: set[int] = set()
@@ -76,7 +80,7 @@ def run_workers(factory: str, *, workers: int, host: str, port: int, options: di
                     raise SystemExit(f"gateway worker exited {QUICK_EXITS} times within {QUICK_EXIT_S:.0f} s of "
                                      f"starting (last exit code {process.exitcode}); see the log above")
                 log.warning("gateway worker %s exited with %s; starting another", process.pid, process.exitcode)
-                processes[i], started[i], announced = start_worker(), time.monotonic(), False
+                processes[i], started[i], announced = start_worker(i), time.monotonic(), False
     finally:
         _stop_all(processes, grace_s=float(options.get("timeout_graceful_shutdown") or 5) + 5)
         for sig, handler in previous.items():
@@ -98,9 +102,11 @@ def bind_reuseport(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(factory: str, host: str, port: int, options: dict[str, Any], listening: Any) -> None:
+def _serve(factory: str, host: str, port: int, options: dict[str, Any], listening: Any, cpu: int | None) -> None:
     """One worker: its own listening socket, uvicorn serving the factory's app on it; its pid put on
-    `listening` once it accepts."""
+    `listening` once it accepts. On `cpu` alone when given: set first, so every thread it starts inherits it."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     import uvicorn
 
     class Server(uvicorn.Server):

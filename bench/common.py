@@ -178,19 +178,34 @@ def python_cmd(*args: str) -> list[str]:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(path: str) -> list[bytes]:
+    """A /proc stat file's fields after "pid (comm)": state, ppid, pgrp, …, utime (index 11), stime (12)."""
+    with open(path, "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if int(_stat(f"{entry.path}/stat")[2]) == pgid:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of the live processes in process group `pgid` (all their threads)."""
     total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fields = _stat(f"/proc/{pid}/stat")
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp, …, utime (12th), stime (13th)
-            total += int(fields[11]) + int(fields[12])
+        total += int(fields[11]) + int(fields[12])
     return total / _TICKS
 
 
@@ -203,18 +218,11 @@ def thread_cpu_seconds(pgid: int, part: str) -> float:
     """One of `THREAD_CPU_PARTS` in CPU seconds, over the live processes of process group `pgid`."""
     on_loop, column = part.startswith("loop"), 11 if part.endswith("user") else 12
     total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
-                    continue
-            for task in os.scandir(f"/proc/{entry.name}/task"):
-                if (task.name == entry.name) != on_loop:
-                    continue
-                with open(f"{task.path}/stat", "rb") as f:
-                    total += int(f.read().rsplit(b")", 1)[1].split()[column])
+            for task in os.scandir(f"/proc/{pid}/task"):
+                if (task.name == str(pid)) == on_loop:
+                    total += int(_stat(f"{task.path}/stat")[column])
         except OSError:
             continue
     return total / _TICKS

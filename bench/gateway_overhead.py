@@ -56,6 +56,7 @@ from bench.common import (
     console,
     free_port,
     group_cpu_seconds,
+    group_pids,
     machine_line,
     percentile,
     python_cmd,
@@ -488,13 +489,9 @@ def wait_for_listeners(port: int, n: int, timeout_s: float = 120) -> None:
 
 def pin(pgid: int, cpus: set[int]) -> None:
     """Every thread of process group `pgid` onto `cpus`; threads started later inherit their creator's."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            for task in os.scandir(f"/proc/{entry.name}/task"):
+            for task in os.scandir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(task.name), cpus)
         except OSError:
             continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,69 @@ async def test_sqlite_writers_take_turns_through_the_lock_file(tmp_path) -> None
     await writer.stop()
     with Session(engine) as db:
         assert [c.id for c in db.exec(select(Call)).all()] == ["c1"]
+
+
+def _thread_of_op(writer: StoreWriter, i: int) -> Any:
+    """Submit an op that stores a call and says which thread ran it."""
+    def op(db: Session) -> str:
+        db.add(_call(i))
+        return threading.current_thread().name
+    return writer.submit(op)
+
+
+async def test_a_batch_alone_on_the_loop_commits_there_and_otherwise_in_the_thread(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    alone = True
+    writer = StoreWriter(engine, inline=lambda: alone)
+    await writer.start()
+    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    assert await _thread_of_op(writer, 1) == threading.current_thread().name
+    alone = False
+    assert await _thread_of_op(writer, 2) != threading.current_thread().name
+    await writer.stop()
+    assert writer.inline_batches == 2
+    with Session(engine) as db:
+        assert [c.id for c in db.exec(select(Call)).all()] == ["c1", "c2"]
+
+
+async def _ticks_while_pending(pending: asyncio.Future[Any], seconds: float) -> int:
+    """Event-loop turns of 10 ms during `seconds` while `pending` stays pending (the loop is not blocked)."""
+    ticks = 0
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert not pending.done()
+    return ticks
+
+
+async def test_a_batch_that_would_wait_for_a_lock_goes_to_the_thread(tmp_path: Path) -> None:
+    """Another process holding the lock file, or SQLite's write lock (a trainer, which takes no lock file),
+    never blocks the event loop: the batch waits in the writer's thread and commits once the lock is free."""
+    path = tmp_path / "store.db"
+    engine = make_engine(f"sqlite:///{path}")
+    writer = StoreWriter(engine, inline=lambda: True)
+    await writer.start()
+    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    with open(f"{path}-writelock", "a+b") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        pending = asyncio.ensure_future(_thread_of_op(writer, 1))
+        assert await _ticks_while_pending(pending, 0.5) >= 20
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert await asyncio.wait_for(pending, timeout=5) != threading.current_thread().name
+    trainer = sqlite3.connect(path, isolation_level=None)
+    trainer.execute("BEGIN IMMEDIATE")
+    pending = asyncio.ensure_future(_thread_of_op(writer, 2))
+    assert await _ticks_while_pending(pending, 0.5) >= 20
+    trainer.execute("COMMIT")
+    trainer.close()
+    assert await asyncio.wait_for(pending, timeout=35) != threading.current_thread().name
+    assert await _thread_of_op(writer, 3) == threading.current_thread().name  # nothing held: on the loop again
+    await writer.stop()
+    with engine.connect() as conn:  # the writer's connection waits for SQLite's lock as before
+        assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30000
+    with Session(engine) as db:
+        assert [c.id for c in db.exec(select(Call)).all()] == ["c1", "c2", "c3"]
 
 
 async def test_a_session_recorded_after_its_canary_was_rolled_back_is_set_aside(db_url: str) -> None:

@@ -1,4 +1,5 @@
-"""The FastAPI application: routers, error shape, body-size limit, and the writer's lifetime."""
+"""The FastAPI application: routers, error shape, body-size limit, requests in flight, and the writer's
+lifetime."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ class BodyLimit:
         await error_for_path(scope["path"], 413, too_large.detail, too_large.code)(scope, receive, send)
 
 
+class InFlight:
+    """Keep `gateway.requests_in_flight`: the store's writer commits on the event loop only while one
+    request is in progress (store/writer.py)."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.gateway.requests_in_flight += 1
+        try:
+            await self.app(scope, receive, send)  # returns once the response is sent, a stream's too
+        finally:
+            self.gateway.requests_in_flight -= 1
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,4 +103,5 @@ def build_app(gateway: Gateway) -> FastAPI:
         app.include_router(module.router)
     mount_console(app)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
+    app.add_middleware(InFlight, gateway=gateway)
     return app

@@ -58,7 +58,10 @@ class Gateway:
         """Point lookups on the event loop: a local SQLite primary-key read (tens of µs, never blocked
         by a writer in WAL mode) costs less than the hop to a worker thread and back (two context
         switches, ~80 µs of CPU); a PostgreSQL read is a network round trip and takes the thread."""
-        self.writer = StoreWriter(db)
+        self.requests_in_flight = 0
+        """HTTP requests in progress, a stream until its last byte (counted by proxy/app.py's `InFlight`)."""
+        # Alone on the event loop, a commit there costs less than the hop to the writer's thread.
+        self.writer = StoreWriter(db, inline=lambda: self.requests_in_flight <= 1)
         self.chains = ChainCache()
         self.keys = KeyRing(config.api_keys, config.admin_key)
         self.metrics = GatewayMetrics()

@@ -16,6 +16,14 @@ one stopped while it holds it (SIGSTOP) holds up the others' writes until it goe
 with a timeout instead (retries every 20–500 µs, the waits bounded at 30 s) served 17% less with 8
 processes on 16 cores (1,911 against 2,302 req/s, 2 repeats, interleaved; 18% more with 4, within noise):
 a retry also has to win back the GIL from a busy event loop.
+
+A batch is committed on the event loop itself, not in a worker thread, when `inline()` says nothing else
+waits for the loop (the gateway: one HTTP request in progress, the one being recorded) and neither lock
+has to be waited for: the file lock is taken without blocking and SQLite is asked for its write lock with
+a busy timeout of 0. Either held elsewhere, the batch goes to the thread, which waits for them. The hop to
+the thread and back, and the GIL passing between them, cost more than the commit: one-piece calls at
+concurrency 1 took 1.49 against 1.83 ms of CPU, streamed ones 1.83 against 2.02 (4 rounds, interleaved);
+at concurrency 16 the thread keeps the loop serving while one batch fsyncs (5–10% more req/s).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 log = logging.getLogger(__name__)
@@ -41,9 +50,12 @@ WriteOp = Callable[[Session], Any]
 
 
 class StoreWriter:
-    def __init__(self, engine: Engine, *, max_batch: int = 512) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 512, inline: Callable[[], bool] | None = None) -> None:
+        """`inline`: whether a batch may be committed on the event loop now (SQLite only, see above)."""
         self.engine = engine
         self.max_batch = max_batch
+        self._inline = inline if engine.dialect.name == "sqlite" else None
+        self.inline_batches = 0
         self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[Any]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.committed_ops = 0
@@ -80,8 +92,11 @@ class StoreWriter:
             batch = [await self._queue.get()]
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            ops = [op for op, _ in batch]
             try:
-                results = await asyncio.to_thread(self._commit, [op for op, _ in batch])
+                results = self._commit_here(ops) if self._inline is not None and self._inline() else None
+                if results is None:
+                    results = await asyncio.to_thread(self._commit, ops)
                 for (_, future), result in zip(batch, results, strict=True):
                     if not future.done():
                         future.set_result(result)
@@ -111,6 +126,32 @@ class StoreWriter:
         self.batches += 1
         return results
 
+    def _commit_here(self, ops: list[WriteOp]) -> list[Any] | None:
+        """`_commit` on the calling thread without waiting for a lock: None, having done nothing, when
+        another process holds the file lock or SQLite's write lock (a trainer's write, say)."""
+        if not self._write_lock.acquire(blocking=False):
+            return None
+        try:
+            with Session(self.engine, expire_on_commit=False) as db:
+                driver = db.connection().connection.dbapi_connection
+                assert driver is not None
+                waits = driver.execute("PRAGMA busy_timeout").fetchone()[0]
+                driver.execute("PRAGMA busy_timeout = 0")
+                try:
+                    db.connection().exec_driver_sql("BEGIN IMMEDIATE")
+                except OperationalError:
+                    return None  # SQLite's write lock is held elsewhere: the thread waits for it
+                finally:
+                    driver.execute(f"PRAGMA busy_timeout = {int(waits)}")
+                results = [op(db) for op in ops]
+                db.commit()
+        finally:
+            self._write_lock.release()
+        self.committed_ops += len(ops)
+        self.batches += 1
+        self.inline_batches += 1
+        return results
+
 
 def _sqlite_lock_path(engine: Engine) -> str | None:
     """The lock file beside a SQLite store's file (like its -wal and -shm); None for other stores."""
@@ -130,10 +171,22 @@ class _FileLock:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
     def __enter__(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.acquire()
 
     def __exit__(self, *_: object) -> None:
+        self.release()
+
+    def acquire(self, *, blocking: bool = True) -> bool:
+        """Take the lock; without `blocking`, False at once when another holder has it."""
+        if self._fd is None:
+            return True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 

@@ -92,11 +92,8 @@ class StoreWriter:
             batch = [await self._queue.get()]
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            ops = [op for op, _ in batch]
             try:
-                results = self._commit_here(ops) if self._inline is not None and self._inline() else None
-                if results is None:
-                    results = await asyncio.to_thread(self._commit, ops)
+                results = await self._commit_batch([op for op, _ in batch])
                 for (_, future), result in zip(batch, results, strict=True):
                     if not future.done():
                         future.set_result(result)
@@ -114,43 +111,56 @@ class StoreWriter:
                 for _ in batch:
                     self._queue.task_done()
 
-    def _commit(self, ops: list[WriteOp]) -> list[Any]:
-        with self._write_lock, Session(self.engine, expire_on_commit=False) as db:
-            if self.engine.dialect.name == "sqlite":
-                # Take the write lock before the ops read (next call number, idempotency keys): another
-                # gateway process on the same file cannot write in between.
-                db.connection().exec_driver_sql("BEGIN IMMEDIATE")
-            results = [op(db) for op in ops]
-            db.commit()
-        self.committed_ops += len(ops)
-        self.batches += 1
-        return results
+    async def _commit_batch(self, ops: list[WriteOp]) -> list[Any]:
+        """On the event loop when `inline()` allows it and no lock is held elsewhere, else in a thread."""
+        if self._inline is not None and self._inline():
+            try:
+                results = self._commit(ops, wait=False)
+                self.inline_batches += 1
+                return results
+            except _LockHeld:
+                pass  # the thread waits for it
+        return await asyncio.to_thread(self._commit, ops)
 
-    def _commit_here(self, ops: list[WriteOp]) -> list[Any] | None:
-        """`_commit` on the calling thread without waiting for a lock: None, having done nothing, when
-        another process holds the file lock or SQLite's write lock (a trainer's write, say)."""
-        if not self._write_lock.acquire(blocking=False):
-            return None
+    def _commit(self, ops: list[WriteOp], *, wait: bool = True) -> list[Any]:
+        """One transaction for `ops`. Without `wait`, `_LockHeld` (nothing done) when another process
+        holds the file lock or SQLite's write lock (a trainer's write, say)."""
+        if not self._write_lock.acquire(blocking=wait):
+            raise _LockHeld
         try:
             with Session(self.engine, expire_on_commit=False) as db:
-                driver = db.connection().connection.dbapi_connection
-                assert driver is not None
-                waits = driver.execute("PRAGMA busy_timeout").fetchone()[0]
-                driver.execute("PRAGMA busy_timeout = 0")
-                try:
-                    db.connection().exec_driver_sql("BEGIN IMMEDIATE")
-                except OperationalError:
-                    return None  # SQLite's write lock is held elsewhere: the thread waits for it
-                finally:
-                    driver.execute(f"PRAGMA busy_timeout = {int(waits)}")
+                if self.engine.dialect.name == "sqlite":
+                    # Take the write lock before the ops read (next call number, idempotency keys): another
+                    # gateway process on the same file cannot write in between.
+                    _begin_immediate(db, wait=wait)
                 results = [op(db) for op in ops]
                 db.commit()
         finally:
             self._write_lock.release()
         self.committed_ops += len(ops)
         self.batches += 1
-        self.inline_batches += 1
         return results
+
+
+class _LockHeld(Exception):
+    """A commit that must not wait found a write lock held elsewhere."""
+
+
+def _begin_immediate(db: Session, *, wait: bool) -> None:
+    """SQLite's write lock for this transaction; without `wait`, asked for with a busy timeout of 0."""
+    if wait:
+        db.connection().exec_driver_sql("BEGIN IMMEDIATE")
+        return
+    driver = db.connection().connection.dbapi_connection
+    assert driver is not None
+    waits = driver.execute("PRAGMA busy_timeout").fetchone()[0]
+    driver.execute("PRAGMA busy_timeout = 0")
+    try:
+        db.connection().exec_driver_sql("BEGIN IMMEDIATE")
+    except OperationalError as exc:
+        raise _LockHeld from exc
+    finally:
+        driver.execute(f"PRAGMA busy_timeout = {int(waits)}")
 
 
 def _sqlite_lock_path(engine: Engine) -> str | None:

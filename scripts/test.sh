@@ -6,4 +6,10 @@ bash scripts/setup.sh
 .venv/bin/ruff check tracetrain tests bench examples
 .venv/bin/mypy tracetrain
 .venv/bin/lint-imports  # layers: DESIGN.md decision 10
+# The suite writes a few GB of checkpoints under the temp dir at its peak: say so up front when space is short.
+tmp="${TMPDIR:-/tmp}"
+free_kb=$(df -Pk "$tmp" | awk 'NR==2 {print $4}')
+if [ "$free_kb" -lt $((4 * 1024 * 1024)) ]; then
+    echo "warning: only $((free_kb / 1024)) MiB free in $tmp; the suite needs about 4 GiB there" >&2
+fi
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"

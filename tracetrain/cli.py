@@ -115,10 +115,12 @@ def serve(config: Config, *, train: bool = False) -> None:
                              "--workers > 1 run it as its own process (`tracetrain train --gateway-url …`)")
         serve_workers(config)
         return
+    if train and config.gateway_cpus:
+        raise SystemExit("configuration error: gateway_cpus with --train would confine the trainer in the "
+                         "gateway process to those CPUs; run it as its own process (`tracetrain train`)")
     import uvicorn
     from transformers import AutoTokenizer
 
-    from tracetrain.engines.replicas import ReplicaSet
     from tracetrain.proxy.app import build_app
     from tracetrain.proxy.gateway import Gateway
     from tracetrain.store.db import make_engine
@@ -139,13 +141,7 @@ def serve(config: Config, *, train: bool = False) -> None:
                                                   hold=gateway.hold_for_training))
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
-        if config.gateway_cpus:
-            if train:
-                raise SystemExit("configuration error: gateway_cpus with --train would confine the trainer in the "
-                                 "gateway process to those CPUs; run it as its own process (`tracetrain train`)")
-            if not isinstance(engine, ReplicaSet):
-                raise SystemExit("configuration error: gateway_cpus with the in-process transformers engine would "
-                                 "confine generation to those CPUs; use engine: vllm")
+        if config.gateway_cpus:  # engine: transformers is refused when the config loads
             # Here, after any vLLM server started (a child would inherit the affinity): the event loop's
             # thread, and the store's threads it starts from now on.
             os.sched_setaffinity(0, config.gateway_cpus)

@@ -176,3 +176,12 @@ def test_gateway_cpus_that_cannot_be_pinned_are_refused_when_the_config_loads(va
 def test_gateway_cpus_refuse_an_in_process_engine() -> None:
     with pytest.raises(ValidationError, match="engine: transformers generates in it"):
         Config(gateway_cpus="0", engine="transformers")
+
+
+def test_gateway_cpus_with_train_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    from tracetrain.cli import serve
+
+    config = Config(gateway_cpus="0", db_url=f"sqlite:///{tmp_path / 'tt.db'}")
+    with pytest.raises(SystemExit, match="gateway_cpus with --train"):
+        serve(config, train=True)
+    assert not (tmp_path / "tt.db").exists(), "refused before the store was opened"

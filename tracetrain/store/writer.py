@@ -172,19 +172,13 @@ def _sqlite_lock_path(engine: Engine) -> str | None:
 
 
 class _FileLock:
-    """An exclusive `flock` on one file, held for a `with` block; a no-op without a path or without fcntl
-    (Windows, where SQLite's busy handler alone orders the processes). The file stays open between blocks."""
+    """An exclusive `flock` on one file, held from `acquire` to `release`; a no-op without a path or without
+    fcntl (Windows, where SQLite's busy handler alone orders the processes). The file stays open between."""
 
     def __init__(self, path: str | None) -> None:
         self._fd: int | None = None
         if path is not None and fcntl is not None:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-
-    def __enter__(self) -> None:
-        self.acquire()
-
-    def __exit__(self, *_: object) -> None:
-        self.release()
 
     def acquire(self, *, blocking: bool = True) -> bool:
         """Take the lock; without `blocking`, False at once when another holder has it."""

@@ -46,12 +46,15 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _op(n: int) -> Any:
-    """The serving core's write of request `n`: a new session and its first call."""
-    sid = f"s{n}-{uuid.uuid4().hex[:8]}"
+def record_op(n: int, session: str | None = None, *, new: bool | None = None) -> Any:
+    """The serving core's write of request `n`: a new session and its first call, or with `session` (and
+    `new` False, its default then) a later call in that stored session, whose row is touched instead."""
+    sid = session or f"s{n}-{uuid.uuid4().hex[:8]}"
+    first = session is None if new is None else new
     text = f"Request {n}: " + " ".join(WORDS[(n * 7 + i * 13) % len(WORDS)] for i in range(150))
-    row = {"id": f"c-{sid}-0", "completion_id": f"c-{sid}", "choice_index": 0, "session_id": sid, "group_id": sid,
-           "seq": 0, "parent_id": None, "link": "start", "model": "m", "policy_version": 0, "finish_reason": "stop",
+    row = {"id": f"c-{sid}-{n}", "completion_id": f"c-{sid}-{n}", "choice_index": 0, "session_id": sid,
+           "group_id": sid, "seq": 0, "parent_id": None, "link": "start" if first else "extend", "model": "m",
+           "policy_version": 0, "finish_reason": "stop",
            "prefix_len": 0, "prompt_tokens": 250, "completion_tokens": 16, "latency_ms": 1.0, "created_at": utcnow(),
            "owner": None, "state_hash": uuid.uuid4().hex * 2, "prompt_ids": encode_ids(list(range(250))),
            "completion_ids": encode_ids(list(range(16))), "completion_logprobs": encode_floats([-0.1] * 16),
@@ -59,8 +62,8 @@ def _op(n: int) -> Any:
                         {"role": "user", "content": text}], "messages_inherited": 0,
            "response_message": {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."},
            "request_params": {"max_tokens": 16}}
-    new = {"id": sid, "group_id": sid, "owner": None, "policy_version": 0}
-    return lambda db: queries.record_calls(db, session_id=sid, new_session=new, rows=[row])
+    created = {"id": sid, "group_id": sid, "owner": None, "policy_version": 0} if first else None
+    return lambda db: queries.record_calls(db, session_id=sid, new_session=created, rows=[row])
 
 
 def _store(root: Path, arm: str) -> StoreWriter:
@@ -81,7 +84,7 @@ def _phase(writer: StoreWriter, arm: str, calls: int, per_commit: int, start: in
     """CPU seconds per call for `calls` calls, `per_commit` to a transaction (and indexed, when batched)."""
     before = _cpu()
     for first in range(start, start + calls, per_commit):
-        writer._commit([_op(n) for n in range(first, first + per_commit)])
+        writer._commit([record_op(n) for n in range(first, first + per_commit)])
     if arm.startswith("batched"):
         while writer._commit([search_index.index_new_calls])[0]:
             pass

@@ -18,7 +18,6 @@ kernel time included), wall is the time per commit.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from bench.common import ResultTable, console, write_results
+from bench.common import ResultTable, console, self_cpu_seconds, write_results
 from bench.search_index_cost import record_op
 from tracetrain.store.db import make_engine
 from tracetrain.store.writer import StoreWriter
@@ -37,11 +36,6 @@ OTHER_INDEXES = ["group_id", "owner", "policy_version", "trained_version"]
 ARMS = {"as created": [], "without the console list's 6": CONSOLE_INDEXES,
         "without all 10": CONSOLE_INDEXES + OTHER_INDEXES}
 WORKLOADS = ["first call", "later turn"]
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _writer(directory: Path, dropped: list[str]) -> StoreWriter:
@@ -62,10 +56,10 @@ def run_arm(directory: Path, dropped: list[str], workload: str, calls: int, warm
         for n, sid in enumerate(sessions):
             writer._commit([record_op(warmup + n, sid, new=True)])
     first = 10 * (warmup + calls)
-    cpu, wall = _cpu(), time.perf_counter()
+    cpu, wall = self_cpu_seconds(), time.perf_counter()
     for n in range(first, first + calls):
         writer._commit([record_op(n) if workload == "first call" else record_op(n, sessions[n % len(sessions)])])
-    cpu, wall = _cpu() - cpu, time.perf_counter() - wall
+    cpu, wall = self_cpu_seconds() - cpu, time.perf_counter() - wall
     writer.engine.dispose()
     return 1000 * cpu / calls, 1000 * wall / calls
 

@@ -15,7 +15,6 @@ turns in every round; CPU is this process's (the writer runs here), per call.
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import statistics
 import sys
@@ -24,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import ResultTable, console, write_results
+from bench.common import ResultTable, console, self_cpu_seconds, write_results
 from tracetrain.store import queries, search_index
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine
@@ -39,11 +38,6 @@ TRIGGER = (
     "INSERT INTO call_search_rows (call_id, session_id) VALUES (new.id, new.session_id); "
     "INSERT INTO call_search (rowid, messages, reply) "
     "VALUES (last_insert_rowid(), lower(new.messages), lower(new.response_message)); END")
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def record_op(n: int, session: str | None = None, *, new: bool | None = None) -> Any:
@@ -82,13 +76,13 @@ def _store(root: Path, arm: str) -> StoreWriter:
 
 def _phase(writer: StoreWriter, arm: str, calls: int, per_commit: int, start: int) -> float:
     """CPU seconds per call for `calls` calls, `per_commit` to a transaction (and indexed, when batched)."""
-    before = _cpu()
+    before = self_cpu_seconds()
     for first in range(start, start + calls, per_commit):
         writer._commit([record_op(n) for n in range(first, first + per_commit)])
     if arm.startswith("batched"):
         while writer._commit([search_index.index_new_calls])[0]:
             pass
-    return (_cpu() - before) / calls
+    return (self_cpu_seconds() - before) / calls
 
 
 def main(argv: list[str] | None = None) -> None:

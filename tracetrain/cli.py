@@ -65,13 +65,16 @@ def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
 def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> list[Any]:
     """`config.replicas` vLLM servers, stopped with `stack`: each on a Unix socket of its own in a
     private directory (`vllm_listen: socket`), or on ports `vllm_port`, `vllm_port + 1`, ... (`tcp`)."""
+    from tracetrain.engines.gpus import visible_gpus
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
+    gpus = [visible_gpus()[g] for g in config.engine_gpus]  # resolved by `place_gpus`: one per replica
     servers = [VLLMServer(model_dir, port=config.vllm_port + i, listen=config.vllm_listen,
                           served_model_name=config.served_model_name, python=config.vllm_python,
-                          extra_args=config.vllm_args,
+                          extra_args=[*gpu_args(config), *config.vllm_args],
                           enable_lora=config.train.lora and not config.train.publishes_merged(),
-                          max_lora_rank=config.train.lora_rank, env=replica_placement(i, config.replicas))
+                          max_lora_rank=config.train.lora_rank,
+                          env=replica_placement(i, config.replicas, gpus[i] if gpus else None))
                for i in range(config.replicas)]
     for server in servers:
         stack.callback(server.stop)
@@ -80,6 +83,31 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     for server in servers:
         server.wait_healthy()
     return servers
+
+
+def gpu_args(config: Config) -> list[str]:
+    """vLLM flags for the GPU plan: its memory share, and sleep mode when it sleeps during sync steps."""
+    args = []
+    if config.engine_memory_share is not None:
+        args += ["--gpu-memory-utilization", f"{config.engine_memory_share:g}"]
+    if config.engine_sleep == "on":
+        args.append("--enable-sleep-mode")
+    return args
+
+
+def place_gpus(config: Config, *, training_here: bool) -> Config:
+    """`config` with its GPU split resolved (engines/gpus.py): the engine's GPUs, the trainer's, vLLM's
+    memory share and whether it sleeps. Refused with a sentence when the split cannot work here."""
+    try:
+        plan = config.gpu_plan(training_here=training_here)
+    except ValueError as exc:
+        raise SystemExit(f"configuration error: {exc}") from None
+    if plan.engine or plan.trainer:
+        log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", plan.engine or "none",
+                 plan.memory_share, ", sleeps during sync steps" if plan.sleep else "", plan.trainer or "the CPU")
+    train = config.train.model_copy(update={"gpus": plan.trainer})
+    return config.model_copy(update={"engine_gpus": plan.engine, "engine_memory_share": plan.memory_share,
+                                     "engine_sleep": "on" if plan.sleep else "off", "train": train})
 
 
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
@@ -363,8 +391,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"configuration error: {problems}") from None
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
-    if args.command == "train" or (args.command == "serve" and args.train):
+    training_here = args.command == "train" or (args.command == "serve" and args.train)
+    if training_here:
         _check_trainer(config)
+    if args.command in ("serve", "train"):
+        config = place_gpus(config, training_here=training_here)
     from tracetrain.store.schema import StoreOutOfDate
 
     try:

@@ -8,10 +8,10 @@ import ipaddress
 import os
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -19,6 +19,9 @@ from pydantic_settings import (
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
+
+if TYPE_CHECKING:
+    from tracetrain.engines.gpus import GPUPlan
 
 
 class TrainConfig(BaseModel):
@@ -126,6 +129,15 @@ class TrainConfig(BaseModel):
     ray_address: str | None = None
     """Ray cluster to place `fsdp` workers on (`auto` for the one this machine belongs to); None starts
     a local Ray."""
+    gpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """GPUs the trainer's workers use, one each (`0` or `2,3` or `4-7`, numbered as CUDA_VISIBLE_DEVICES
+    orders them). Empty: the GPUs after the engine's, or on one GPU the GPU the engine uses (see
+    `engine_gpus`)."""
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_list(cls, value: Any) -> Any:
+        return index_list("train.gpus", value)
 
     @property
     def uses_fsdp(self) -> bool:
@@ -228,6 +240,18 @@ class Config(BaseSettings):
     """Port of the first vLLM server the gateway starts, with `vllm_listen: tcp` (ignored otherwise)."""
     vllm_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for the vLLM server the gateway starts."""
+    engine_gpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """GPUs of the vLLM servers started here, one per replica (`0` or `0,1`, numbered as
+    CUDA_VISIBLE_DEVICES orders them). Empty: the first `replicas` GPUs. The trainer takes the GPUs after
+    them (`train.gpus`); on a machine with one GPU both use it (docs/architecture.md, "GPUs")."""
+    engine_memory_share: float | None = Field(default=None, gt=0, le=0.98)
+    """Share of its GPU's memory a vLLM server started here may take (`--gpu-memory-utilization`). None:
+    0.9 on a GPU of its own; on a GPU it shares with the trainer 0.6 in `sync` mode (vLLM sleeps while
+    the trainer steps) and 0.45 in `async` mode (both compute at once)."""
+    engine_sleep: Literal["auto", "on", "off"] = "auto"
+    """Whether vLLM sleeps (level 1: weights to host memory, KV cache dropped) while a `sync`-mode step
+    trains, and wakes for the new version: the trainer then has the GPU's memory to itself. `auto`: on
+    when the engine and the trainer share a GPU in `sync` mode. CUDA only."""
     engine_timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
     json_max_whitespace: int | None = Field(default=12, ge=1)
@@ -303,23 +327,10 @@ class Config(BaseSettings):
             return [u for u in value.replace(",", " ").split() if u]
         return value
 
-    @field_validator("gateway_cpus", mode="before")
+    @field_validator("gateway_cpus", "engine_gpus", mode="before")
     @classmethod
-    def _cpu_list(cls, value: Any) -> Any:
-        """`2,3,8-11` (a flag, YAML or `TRACETRAIN_GATEWAY_CPUS`) as the list of CPUs it names."""
-        if value is None:
-            return []
-        if isinstance(value, int):
-            return [value]
-        if not isinstance(value, str):
-            return value
-        cpus: list[int] = []
-        for part in value.replace(" ", "").split(","):
-            first, dash, last = part.partition("-")
-            if not first.isdigit() or (dash and not last.isdigit()):
-                raise ValueError(f"gateway_cpus: {part!r} is not a CPU number or range (e.g. 2,3 or 8-11)")
-            cpus += range(int(first), int(last or first) + 1)
-        return cpus
+    def _index_list(cls, value: Any, info: ValidationInfo) -> Any:
+        return index_list(str(info.field_name), value)
 
     @field_validator("gateway_cpus")
     @classmethod
@@ -376,6 +387,29 @@ class Config(BaseSettings):
                              f"({self.replica_max_outstanding}) would never spill")
         return self
 
+    @model_validator(mode="after")
+    def _check_gpus(self) -> Config:
+        """Settings that name GPUs are checked against this machine's when the config loads; the defaults
+        are resolved by `gpu_plan` once the command knows whether it trains here."""
+        if self.engine_gpus and (self.engine_url or self.engine == "transformers"):
+            raise ValueError("engine_gpus places the vLLM servers this gateway starts; with engine_url or engine: "
+                             "transformers it starts none")
+        if self.engine_gpus or self.train.gpus or self.engine_sleep == "on":
+            self.gpu_plan(training_here=bool(self.train.gpus) or self.engine_sleep == "on")
+        return self
+
+    def gpu_plan(self, *, training_here: bool) -> GPUPlan:
+        """How vLLM's replicas and the trainer share this machine's GPUs (engines/gpus.py); ValueError
+        with a sentence when they cannot."""
+        from tracetrain.engines.gpus import plan_gpus, visible_gpus
+
+        starts_vllm = not self.engine_url and self.engine != "transformers"
+        on_gpu = training_here and self.train.device != "cpu" and not self.train.ray_address
+        return plan_gpus(visible=len(visible_gpus()), replicas=self.replicas if starts_vllm else 0,
+                         workers=self.train.workers if on_gpu else 0, engine_gpus=self.engine_gpus,
+                         trainer_gpus=self.train.gpus, mode=self.train.mode, memory_share=self.engine_memory_share,
+                         sleep=self.engine_sleep)
+
     def publishes_full_weights(self) -> bool:
         publish = self.train.publish
         return publish == "reload" or (publish == "auto" and (not self.train.lora or self.train.publishes_merged()))
@@ -418,6 +452,26 @@ class Config(BaseSettings):
 
 _YAML_FILE: ContextVar[Path | None] = ContextVar("tracetrain_yaml_file", default=None)
 """The YAML file `load_config` reads (a context variable: pydantic-settings builds sources per class)."""
+
+
+def index_list(name: str, value: Any) -> Any:
+    """`2,3,8-11` (a flag, YAML or an environment variable) as the list of numbers it names."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if not isinstance(value, str):
+        return value
+    numbers: list[int] = []
+    for part in value.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            noun = "CPU" if "cpu" in name else "GPU"
+            raise ValueError(f"{name}: {part!r} is not a {noun} number or range (e.g. 2,3 or 8-11)")
+        numbers += range(int(first), int(last or first) + 1)
+    return numbers
 
 
 def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:

@@ -75,12 +75,11 @@ def test_round_robin_ignores_sessions() -> None:
 
 def test_replicas_started_here_get_devices_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert replica_placement(0, 1) == {}  # one server keeps vLLM's own binding
+    assert replica_placement(0, 1) == {}  # one server on the CPU keeps vLLM's own binding
     places = [replica_placement(i, 2) for i in range(2)]
     assert [p["VLLM_CPU_OMP_THREADS_BIND"] for p in places] == ["0,1", "2,3"]
-    assert [p["CUDA_VISIBLE_DEVICES"] for p in places] == ["0", "1"]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    assert [replica_placement(i, 2)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["4", "6"]
+    assert "CUDA_VISIBLE_DEVICES" not in places[0]
+    assert replica_placement(1, 2, gpu="6")["CUDA_VISIBLE_DEVICES"] == "6"  # the GPU plan's choice (engines/gpus.py)
+    assert replica_placement(0, 1, gpu="GPU-1f2e") == {"CUDA_VISIBLE_DEVICES": "GPU-1f2e"}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert replica_placement(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # more replicas than cores: shared

@@ -114,17 +114,15 @@ def private_socket_path(name: str = "vllm.sock") -> Path:
     return path
 
 
-def replica_placement(index: int, count: int) -> dict[str, str]:
-    """Environment that gives replica `index` of `count` servers on this machine its own devices: one
-    GPU each (the i-th of `CUDA_VISIBLE_DEVICES` when set, else GPU i), and on CPU builds its own
-    share of this process's cores. Without it every CPU replica's OpenMP threads bind to the same
-    cores (vLLM's automatic binding picks the same ones in each process), and on a 2-core machine one
-    replica stalled for a whole minute while the other ran. One server keeps vLLM's own defaults."""
+def replica_placement(index: int, count: int, gpu: str | None = None) -> dict[str, str]:
+    """Environment that gives replica `index` of `count` servers on this machine its own devices: the
+    GPU `gpu` (a `CUDA_VISIBLE_DEVICES` entry, engines/gpus.py), and on CPU builds its own share of
+    this process's cores. Without it every CPU replica's OpenMP threads bind to the same cores (vLLM's
+    automatic binding picks the same ones in each process), and on a 2-core machine one replica stalled
+    for a whole minute while the other ran. One server on the CPU keeps vLLM's own defaults."""
+    env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
     if count <= 1:
-        return {}
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpu_ids = [g for g in gpus.split(",") if g] if gpus else [str(i) for i in range(count)]
-    env = {"CUDA_VISIBLE_DEVICES": gpu_ids[index % len(gpu_ids)]}
+        return env
     cores = sorted(os.sched_getaffinity(0))
     share = max(1, len(cores) // count)
     mine = cores[index * share:(index + 1) * share] or cores[index % len(cores):][:1]

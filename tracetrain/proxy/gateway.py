@@ -16,9 +16,11 @@ from tracetrain.config import Config
 from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
 from tracetrain.engines.replica_publish import ReplicaPublisher
+from tracetrain.engines.replicas import ReplicaSet
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.chain import ChainCache, ChainNode
+from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
@@ -81,6 +83,10 @@ class Gateway:
         """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
         self._publish_lock = asyncio.Lock()
         self._replica_follower: asyncio.Task[None] | None = None
+        self.engine_sleep = (EngineSleep(self.gate, engine) if config.engine_sleep == "on"
+                             and isinstance(engine, ReplicaSet) else None)
+        """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""
+        self._sleeper: asyncio.Task[None] | None = None
         self._holds: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._indexer: asyncio.Task[None] | None = None
@@ -99,11 +105,13 @@ class Gateway:
         else:
             self._follower = asyncio.create_task(self._follow_versions())
         self._indexer = asyncio.create_task(self._index_search())
+        if self.engine_sleep is not None:
+            self._sleeper = asyncio.create_task(self.engine_sleep.run())
         for service in self.services:
             service.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
-        for task in (self._holds, self._follower, self._indexer, self._replica_follower):
+        for task in (self._holds, self._follower, self._indexer, self._replica_follower, self._sleeper):
             if task is not None:
                 task.cancel()
         if self.replica_sync is not None:
@@ -135,6 +143,8 @@ class Gateway:
             if checkpoint.version <= self.engine.version:
                 raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
                                f"{self.engine.version}.", code="stale_version")
+            if self.engine_sleep is not None:
+                await self.engine_sleep.wake()  # loading an adapter or reloading weights needs them on the GPU
             # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
             # run on the new weights under the old label: hold new generations at the gate instead.
             if self.promotion.enabled:

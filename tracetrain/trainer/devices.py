@@ -20,6 +20,13 @@ def resolve_device(cfg: TrainConfig) -> str:
     return cfg.device
 
 
+def local_device(cfg: TrainConfig) -> str:
+    """The local backend's torch device: `cuda:N` for the first of `train.gpus` (the GPU plan's choice,
+    engines/gpus.py), else `cuda` (the current device) or `cpu`."""
+    device = resolve_device(cfg)
+    return f"cuda:{cfg.gpus[0]}" if device == "cuda" and cfg.gpus else device
+
+
 def check_hardware(cfg: TrainConfig) -> None:
     """Raise ValueError naming the setting when this machine cannot train with `cfg`."""
     device = resolve_device(cfg)
@@ -44,4 +51,12 @@ def check_hardware(cfg: TrainConfig) -> None:
 
 def autocast(cfg: TrainConfig, device: str) -> torch.autocast:
     """bfloat16 compute over float32 weights for the local backend (FSDP casts with its own policy)."""
-    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                          enabled=cfg.dtype == "bfloat16")
+
+
+def release_cached_memory() -> None:
+    """Hand the memory torch's allocator keeps cached after a step back to the GPU, so that a vLLM that
+    slept through the step (`engine_sleep`) can wake into it. A no-op without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ import torch
 from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.backend import StepBatch
-from tracetrain.trainer.devices import autocast, resolve_device
+from tracetrain.trainer.devices import autocast, local_device
 from tracetrain.trainer.step import SampledLogits, StepInputs, dpo_step, sft_step, train_step
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class LocalBackend:
     def __init__(self, cfg: TrainConfig, base_dir: Path, resume: Path | None) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg)
+        self.device = local_device(cfg)
         sharded = resume / checkpoint.SHARDED_DIR if resume is not None else None
         if sharded is not None and sharded.is_dir():
             # weights and optimizer from the sharded state, whichever backend and worker count wrote it

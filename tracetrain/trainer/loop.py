@@ -28,6 +28,7 @@ from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.backend import StepBatch, TrainerBackend, make_backend
 from tracetrain.trainer.batch import BatchGatherer
 from tracetrain.trainer.data import Sample
+from tracetrain.trainer.devices import release_cached_memory
 from tracetrain.trainer.step import rl_advantages
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class Trainer:
             self.gate(True)
         try:
             figures = self._train(batch.samples)
+            if self.gate:  # sync mode: the engine may wake into this GPU's memory for the publish below
+                release_cached_memory()
             self.version += 1
             path = self._checkpoint()
             self.line = path.resolve()

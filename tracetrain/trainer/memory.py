@@ -24,8 +24,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 def peak_bytes(device: str) -> int:
     """Peak device memory allocated on CUDA; peak resident memory of the process on CPU."""
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

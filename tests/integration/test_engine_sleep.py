@@ -1,0 +1,100 @@
+"""vLLM sleeps while a sync-mode step trains, and wakes for the publish (proxy/engine_sleep.py).
+
+vLLM's sleep mode exists on CUDA only, so vLLM on this CPU cannot serve `/sleep` and `/wake_up`. The
+replica here is a small real HTTP server with those endpoints (and nothing else), standing in for a GPU
+vLLM: it records the calls in order. The real endpoints are exercised by tests/gpu/ on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from tests.support.servers import free_port
+from tracetrain.engines.replicas import Replica, ReplicaSet
+from tracetrain.engines.vllm import VLLMEngine
+from tracetrain.proxy.engine_sleep import ASLEEP, EngineSleep
+from tracetrain.proxy.gate import GenerationGate
+
+
+@pytest.fixture
+def sleep_endpoints() -> Iterator[tuple[str, list[str]]]:
+    calls: list[str] = []
+    app = FastAPI()
+
+    @app.post("/sleep")
+    async def sleep(level: int) -> dict[str, bool]:
+        calls.append(f"sleep {level}")
+        return {"ok": True}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: str) -> dict[str, bool]:
+        calls.append(f"wake {tags}")
+        return {"ok": True}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.05)
+    yield f"http://127.0.0.1:{port}", calls
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+async def _until(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_sleeps_once_drained_and_keeps_calls_out_until_awake(sleep_endpoints: tuple[str, list[str]]) -> None:
+    url, calls = sleep_endpoints
+    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
+    gate = GenerationGate()
+    sleeper = EngineSleep(gate, replicas, interval_s=0.01)
+    task = asyncio.create_task(sleeper.run())
+    try:
+        replicas.router.outstanding[0] = 1  # a call still running: the engine must not sleep under it
+        gate.close("train")
+        await asyncio.sleep(0.1)
+        assert calls == [] and not sleeper.asleep
+        replicas.router.outstanding[0] = 0
+        await _until(lambda: calls)
+        assert calls == ["sleep 1"] and ASLEEP in gate.holders and sleeper.asleep
+        await sleeper.wake()  # what a publish does first
+        assert calls == ["sleep 1", "wake weights", "wake kv_cache"]  # weights before the cache
+        assert gate.holders == ["train"]  # still held by the step until it ends
+        gate.open("train")
+        await asyncio.sleep(0.1)
+        assert gate.is_open() and sleeper.cycles == 1 and len(calls) == 3  # awake already: no second wake
+    finally:
+        task.cancel()
+        await replicas.close()
+
+
+async def test_a_hold_that_ends_wakes_the_engine(sleep_endpoints: tuple[str, list[str]]) -> None:
+    url, calls = sleep_endpoints
+    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
+    gate = GenerationGate()
+    sleeper = EngineSleep(gate, replicas, interval_s=0.01)
+    task = asyncio.create_task(sleeper.run())
+    try:
+        gate.close("remote:trainer-7")  # a trainer in another process, mirrored from the store
+        await _until(lambda: calls)
+        gate.open("remote:trainer-7")
+        await _until(lambda: gate.is_open())
+        assert calls == ["sleep 1", "wake weights", "wake kv_cache"] and not sleeper.asleep
+        gate.close("publish")  # a publish's own pause is not a training step
+        await asyncio.sleep(0.1)
+        assert not sleeper.asleep
+    finally:
+        task.cancel()
+        await replicas.close()

@@ -208,9 +208,9 @@ class Config(BaseSettings):
     gateway_cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
     """CPUs the gateway's processes run on (`--gateway-cpus 2,3` or `2-5`; Linux): one process on all of
     them, or with `gateway_workers` each worker on one, in turn. Its event loop and its store threads then
-    share a core's caches instead of waking each other across cores: 5–12% less CPU per call on a 16-core
-    host (bench/results/gateway_overhead_16core_pin.md). Keep them off the cores vLLM's processes busy-poll
-    on. Empty: wherever the scheduler puts them."""
+    share a core's caches instead of waking each other across cores, which costs less CPU per call on
+    hosts with many cores (docs/benchmarks.md). Keep them off the cores vLLM's processes busy-poll on.
+    Empty: wherever the scheduler puts them."""
     replica_routing: Literal["sticky", "round_robin"] = "sticky"
     """`sticky`: a session's calls go to the replica holding its prefix, new sessions to the least
     loaded; `round_robin`: every call to the next replica (no affinity; for comparison)."""

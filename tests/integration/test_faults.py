@@ -12,7 +12,7 @@
 * The only vLLM server (started by `tracetrain serve` itself) SIGKILLed under load: calls get 502/503
   in OpenAI's error shape, the gateway starts vLLM again and serves without being restarted itself.
 
-What "acknowledged" means here (DESIGN.md decision 6): the gateway answers a call (a non-streamed
+What "acknowledged" means here (docs/architecture.md, decision 6): the gateway answers a call (a non-streamed
 200, or a stream's final chunk with a finish_reason) and a reward (200 with its id) only after the
 record is committed. Each test counts what the client saw and checks that every acknowledged id is in
 the store afterwards; each prints a one-line summary.

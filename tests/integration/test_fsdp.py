@@ -14,7 +14,6 @@ too, at a relative 1e-5.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,22 @@ from typing import Any
 import pytest
 import torch
 
-from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint
 from tracetrain.trainer.backend import StepBatch
-from tracetrain.trainer.data import Sample
 
 ray = pytest.importorskip("ray", reason="the distributed extra (Ray) is not installed")
 
+from tests.support.fsdp_step import (  # noqa: E402
+    LR,
+    WEIGHT_TOLERANCE,
+    assert_same_step,
+    local_backend,
+    max_difference,
+    train_config,
+    trainable,
+    trajectories,
+)
 from tracetrain.trainer.fsdp_backend import FSDPBackend  # noqa: E402
-from tracetrain.trainer.local_backend import LocalBackend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,82 +47,43 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _samples(count: int = 7, seed: int = 0) -> tuple[list[Sample], list[float]]:
-    """Trajectories of different lengths (so the workers' shares and micro-batch counts differ)."""
-    rng = random.Random(seed)
-    samples, advantages = [], []
-    for i in range(count):
-        prompt, sampled = rng.randint(4, 40), rng.randint(2, 12)
-        ids = [rng.randrange(10, 49000) for _ in range(prompt + sampled)]
-        mask = [0] * prompt + [1] * sampled
-        samples.append(Sample(f"s{i}", f"g{i // 2}", ids, mask, [-rng.uniform(0.5, 6.0) * m for m in mask],
-                              [0] * len(ids), 0.0))
-        advantages.append(rng.uniform(-1.0, 1.0))
-    return samples, advantages
-
-
-def _config(tmp_path: Path, **overrides: Any) -> TrainConfig:
-    values: dict[str, Any] = {"lr": 1e-3, "micro_batch_tokens": 96, "checkpoint_dir": tmp_path / "ckpt",
-                              "device": "cpu", "lora_rank": 8, **overrides}
-    return TrainConfig(**values)
-
-
-def _local(cfg: TrainConfig, base: Path, resume: Path | None = None) -> LocalBackend:
-    torch.manual_seed(cfg.seed)  # as the loop does before it builds a backend
-    return LocalBackend(cfg, base, resume)
-
-
-def _trainable(backend: LocalBackend) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in backend.model.named_parameters() if v.requires_grad}
-
-
-def _assert_same_step(local: dict[str, Any], fsdp: dict[str, Any]) -> None:
-    for key in ("grad_norm", "loss", "is_weight", "trained_tokens"):
-        assert fsdp[key] == pytest.approx(local[key], rel=1e-5, abs=1e-9), key
-
-
-def _max_difference(expected: dict[str, torch.Tensor], actual: dict[str, Any]) -> float:
-    assert set(expected) <= set(actual)  # the gathered state also names the tied head
-    return max(float((actual[k].float() - v).abs().max()) for k, v in expected.items())
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_one_fsdp_step_on_two_workers_equals_one_local_step(local_ray: None, tiny_model_path: Path, tmp_path: Path,
                                                             lora: bool) -> None:
-    samples, advantages = _samples()
-    local = _local(_config(tmp_path, lora=lora), tiny_model_path)
-    before = _trainable(local)
+    samples, advantages = trajectories()
+    local = local_backend(train_config(tmp_path, lora=lora), tiny_model_path)
+    before = trainable(local)
     local_figures = local.step(StepBatch(samples, advantages))
-    expected = _trainable(local)
-    fsdp = FSDPBackend(_config(tmp_path, lora=lora, workers=2), tiny_model_path, None)
+    expected = trainable(local)
+    fsdp = FSDPBackend(train_config(tmp_path, lora=lora, workers=2), tiny_model_path, None)
     try:
         fsdp_figures = fsdp.step(StepBatch(samples, advantages))
         actual = fsdp.weights()
     finally:
         fsdp.close()
     assert fsdp_figures["micro_batches"] > 1 and len(set(fsdp_figures["worker_tokens"])) > 1
-    _assert_same_step(local_figures, fsdp_figures)
+    assert_same_step(local_figures, fsdp_figures)
     moved = max(float((expected[k] - before[k]).abs().max()) for k in before)
-    assert moved > 0.5 * 1e-3, "the step changed the weights by about lr"
-    difference = _max_difference(expected, actual)
+    assert moved > 0.5 * LR, "the step changed the weights by about lr"
+    difference = max_difference(expected, actual)
     print(f"max |fsdp - local| after one step ({'lora' if lora else 'full'}): {difference:.3g}")
-    assert difference < 1e-3 * 1e-2
+    assert difference < WEIGHT_TOLERANCE
 
 
 def test_a_worker_without_samples_keeps_step_with_the_others(local_ray: None, tiny_model_path: Path,
                                                              tmp_path: Path) -> None:
     """One sample, two workers: the second trains a borrowed sample at weight 0, and the result is the
     local step's."""
-    samples, advantages = _samples(count=1, seed=3)
-    local = _local(_config(tmp_path, lora=False), tiny_model_path)
+    samples, advantages = trajectories(count=1, seed=3)
+    local = local_backend(train_config(tmp_path, lora=False), tiny_model_path)
     local_figures = local.step(StepBatch(samples, advantages))
-    fsdp = FSDPBackend(_config(tmp_path, lora=False, workers=2), tiny_model_path, None)
+    fsdp = FSDPBackend(train_config(tmp_path, lora=False, workers=2), tiny_model_path, None)
     try:
         fsdp_figures = fsdp.step(StepBatch(samples, advantages))
-        assert _max_difference(_trainable(local), fsdp.weights()) < 1e-3 * 1e-2
+        assert max_difference(trainable(local), fsdp.weights()) < WEIGHT_TOLERANCE
     finally:
         fsdp.close()
-    _assert_same_step(local_figures, fsdp_figures)
+    assert_same_step(local_figures, fsdp_figures)
     assert sorted(fsdp_figures["worker_tokens"]) == [0, samples[0].num_sampled]
 
 
@@ -126,9 +93,9 @@ def test_a_checkpoint_from_two_workers_resumes_on_one(local_ray: None, tiny_mode
     """Sharded state written by 2 workers, loaded by 1 fsdp worker and by the local backend: the same
     weights, and the same next step (so the optimizer moments came along). The engine's files are
     complete, without the optimizer ever being gathered."""
-    first, second = _samples(seed=1), _samples(seed=2)
+    first, second = trajectories(seed=1), trajectories(seed=2)
     path = tmp_path / "v000001"
-    two = FSDPBackend(_config(tmp_path, lora=lora, workers=2), tiny_model_path, None)
+    two = FSDPBackend(train_config(tmp_path, lora=lora, workers=2), tiny_model_path, None)
     try:
         two.step(StepBatch(*first))
         path.mkdir()
@@ -143,18 +110,18 @@ def test_a_checkpoint_from_two_workers_resumes_on_one(local_ray: None, tiny_mode
     if lora:
         assert (path / checkpoint.MERGED_DIR / "model.safetensors").exists()
 
-    one = FSDPBackend(_config(tmp_path, lora=lora, workers=1, backend="fsdp"), tiny_model_path, path)
+    one = FSDPBackend(train_config(tmp_path, lora=lora, workers=1, backend="fsdp"), tiny_model_path, path)
     try:
-        assert _max_difference({k: v.float() for k, v in saved.items()}, one.weights()) == 0.0
+        assert max_difference({k: v.float() for k, v in saved.items()}, one.weights()) == 0.0
         one.step(StepBatch(*second))
-        assert _max_difference({k: v.float() for k, v in after_two.items()}, one.weights()) < 1e-3 * 1e-2
+        assert max_difference({k: v.float() for k, v in after_two.items()}, one.weights()) < WEIGHT_TOLERANCE
     finally:
         one.close()
 
-    local = _local(_config(tmp_path, lora=lora), tiny_model_path, path)
-    assert _max_difference(_trainable(local), saved) == 0.0
+    local = local_backend(train_config(tmp_path, lora=lora), tiny_model_path, path)
+    assert max_difference(trainable(local), saved) == 0.0
     local.step(StepBatch(*second))
-    assert _max_difference(_trainable(local), after_two) < 1e-3 * 1e-2
+    assert max_difference(trainable(local), after_two) < WEIGHT_TOLERANCE
 
 
 def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, tiny_model_path: Path,
@@ -174,7 +141,7 @@ def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, t
             add_session(s, f"a{i}", f"g{i // 4}", float(i % 2))
         s.commit()
     values: dict[str, Any] = {"batch_sessions": 8, "min_sessions": 1, "max_staleness": 1}
-    trainer = Trainer(_config(tmp_path, lora=False, workers=2, **values), db, tiny_model_path)
+    trainer = Trainer(train_config(tmp_path, lora=False, workers=2, **values), db, tiny_model_path)
     try:
         assert trainer.step_once() and trainer.version == 1
     finally:
@@ -190,7 +157,7 @@ def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, t
         for i in range(4):
             add_session(s, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
         s.commit()
-    again = Trainer(_config(tmp_path, lora=False, **values), db, tiny_model_path)
+    again = Trainer(train_config(tmp_path, lora=False, **values), db, tiny_model_path)
     assert again.version == 1 and again.counts["steps"] == 1
     assert again.step_once() and again.version == 2
 
@@ -200,12 +167,12 @@ def test_activation_checkpointing_and_bfloat16_on_two_workers(local_ray: None, t
     """Recomputing activations changes nothing in float32 (same weights as the plain local step);
     bfloat16 compute over float32 master weights gives the float32 step's loss to bfloat16 precision
     (2**-8 relative per operation: a few per cent after a forward pass) and float32 weights."""
-    samples, advantages = _samples(seed=4)
-    local = _local(_config(tmp_path, lora=False), tiny_model_path)
+    samples, advantages = trajectories(seed=4)
+    local = local_backend(train_config(tmp_path, lora=False), tiny_model_path)
     expected_figures = local.step(StepBatch(samples, advantages))
-    expected = _trainable(local)
+    expected = trainable(local)
     for overrides in ({"activation_checkpointing": True}, {"dtype": "bfloat16"}):
-        fsdp = FSDPBackend(_config(tmp_path, lora=False, workers=2, **overrides), tiny_model_path, None)
+        fsdp = FSDPBackend(train_config(tmp_path, lora=False, workers=2, **overrides), tiny_model_path, None)
         try:
             figures = fsdp.step(StepBatch(samples, advantages))
             weights = fsdp.weights()
@@ -215,5 +182,5 @@ def test_activation_checkpointing_and_bfloat16_on_two_workers(local_ray: None, t
         if "dtype" in overrides:
             assert figures["loss"] == pytest.approx(expected_figures["loss"], rel=0.05, abs=1e-3)
         else:
-            _assert_same_step(expected_figures, figures)
-            assert _max_difference(expected, weights) < 1e-3 * 1e-2
+            assert_same_step(expected_figures, figures)
+            assert max_difference(expected, weights) < WEIGHT_TOLERANCE

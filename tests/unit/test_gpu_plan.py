@@ -109,3 +109,14 @@ def test_serve_refuses_gpus_this_machine_lacks() -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "engine_gpus names GPU [0]" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_fsdp_workers_local_ray_sees_only_the_trainers_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracetrain.config import TrainConfig
+    from tracetrain.trainer.devices import trainer_visible_devices
+
+    monkeypatch.setattr(gpus, "_driver_gpus", lambda: ("0", "1", "2", "3"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,0")  # this process's GPUs 1 and 2 are the driver's 1 and 0
+    assert trainer_visible_devices(TrainConfig(gpus=[1, 2], workers=2)) == "1,0"
+    assert trainer_visible_devices(TrainConfig(workers=2)) is None
+    assert trainer_visible_devices(TrainConfig(gpus=[1, 2], workers=2, ray_address="auto")) is None

@@ -27,6 +27,17 @@ def local_device(cfg: TrainConfig) -> str:
     return f"cuda:{cfg.gpus[0]}" if device == "cuda" and cfg.gpus else device
 
 
+def trainer_visible_devices(cfg: TrainConfig) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for a local Ray that places the `fsdp` workers on `train.gpus` only (None:
+    no GPUs named, or a cluster whose machines number their own GPUs)."""
+    if not cfg.gpus or cfg.ray_address is not None:
+        return None
+    from tracetrain.engines.gpus import visible_gpus
+
+    labels = visible_gpus()
+    return ",".join(labels[g] for g in cfg.gpus)
+
+
 def check_hardware(cfg: TrainConfig) -> None:
     """Raise ValueError naming the setting when this machine cannot train with `cfg`."""
     device = resolve_device(cfg)

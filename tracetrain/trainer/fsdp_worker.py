@@ -22,7 +22,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.data import Sample
 from tracetrain.trainer.devices import resolve_device
-from tracetrain.trainer.step import BatchShare, SampledLogits, StepInputs, train_step
+from tracetrain.trainer.step import BatchShare, SampledLogits, StepInputs, token_logprobs, train_step
 
 
 class FSDPWorker:
@@ -34,7 +34,10 @@ class FSDPWorker:
         self.world = world
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address and a free port on it, for the process group's TCP rendezvous."""
+        """Rank 0's address and a free port on it, for the process group's TCP rendezvous.
+
+        The address is the one Ray reaches this node by (not a loopback address), so workers on other
+        nodes can connect; the port is probed on every interface, as the rendezvous store listens."""
         import ray
 
         with socket.socket() as probe:
@@ -45,6 +48,8 @@ class FSDPWorker:
     def setup(self, cfg: TrainConfig, base_dir: Path, master: tuple[str, int], resume: Path | None
               ) -> dict[str, Any]:
         """Join the process group, build and shard the model, load `resume`'s sharded state."""
+        import ray
+
         started = time.perf_counter()
         self.cfg = cfg
         self.device = resolve_device(cfg)
@@ -52,6 +57,7 @@ class FSDPWorker:
             torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
         else:
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            _gloo_on_node_address()
         dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world)
         joined = time.perf_counter()
@@ -68,7 +74,7 @@ class FSDPWorker:
             checkpoint.load_sharded(resume / checkpoint.SHARDED_DIR, self.model, self.optimizer)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         return {"process_group_s": joined - started, "setup_s": time.perf_counter() - started,
-                **memory.state_bytes(self.model, self.optimizer)}
+                "node_id": ray.get_runtime_context().get_node_id(), **memory.state_bytes(self.model, self.optimizer)}
 
     def _shard(self, policy: SampledLogits) -> SampledLogits:
         from torch.distributed.device_mesh import init_device_mesh
@@ -107,6 +113,10 @@ class FSDPWorker:
             checkpoint.save_weights(self.model, path, weights, self.cfg, merged=merged)
         dist.barrier()
 
+    def logprobs(self, token_ids: list[int]) -> list[float]:
+        """Every worker runs the forward (it gathers sharded parameters collectively); all get the same."""
+        return token_logprobs(self.policy, token_ids)
+
     def weights(self) -> dict[str, Any]:
         """The full trainable state on rank 0 (tests compare it with the local backend's)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -117,3 +127,26 @@ class FSDPWorker:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _gloo_on_node_address() -> None:
+    """Have gloo talk over the interface that holds Ray's address for this node.
+
+    Left alone, gloo binds to the address this machine's hostname resolves to, which on many hosts
+    (Debian's /etc/hosts among them) is a loopback address: peers on other nodes would be told to
+    connect to 127.0.x.1 and the process group would never form. A GLOO_SOCKET_IFNAME the user set
+    wins; without psutil (peft and accelerate bring it) or a matching interface, gloo's own choice stays.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    import ray
+
+    try:
+        import psutil
+    except ImportError:
+        return
+    address = ray.util.get_node_ip_address()
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return

@@ -71,6 +71,7 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     gpus = [visible_gpus()[g] for g in config.engine_gpus]  # resolved by `place_gpus`: one per replica
     servers = [VLLMServer(model_dir, port=config.vllm_port + i, listen=config.vllm_listen,
                           served_model_name=config.served_model_name, python=config.vllm_python,
+                          dtype=config.engine_dtype,
                           extra_args=[*gpu_args(config), *config.vllm_args],
                           enable_lora=config.train.lora and not config.train.publishes_merged(),
                           max_lora_rank=config.train.lora_rank,
@@ -106,13 +107,18 @@ def place_gpus(config: Config, *, training_here: bool) -> Config:
         log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", plan.engine or "none",
                  plan.memory_share, ", sleeps during sync steps" if plan.sleep else "", plan.trainer or "the CPU")
     train = config.train.model_copy(update={"gpus": plan.trainer})
+    dtype = config.engine_dtype
+    if dtype == "auto":  # what engine_dtype's docstring promises
+        dtype = "bfloat16" if plan.engine or config.engine_url else "float32"
     return config.model_copy(update={"engine_gpus": plan.engine, "engine_memory_share": plan.memory_share,
-                                     "engine_sleep": "on" if plan.sleep else "off", "train": train})
+                                     "engine_sleep": "on" if plan.sleep else "off", "train": train,
+                                     "engine_dtype": dtype})
 
 
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     """How trained weights reach this engine: in-process swap, or vLLM LoRA load or reload on every
     replica."""
+    from tracetrain.engines.probe import ProbeCheck
     from tracetrain.engines.replica_publish import ReplicaPublisher
     from tracetrain.engines.replicas import ReplicaSet
     from tracetrain.engines.transformers_publish import InProcessPublisher
@@ -121,6 +127,7 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     mode = config.train.publish
     if mode == "none":
         return None
+    probe = ProbeCheck(config.engine_dtype, config.publish_probe_tolerance) if config.publish_probe else None
     # Told apart without importing the in-process engine's module: it imports torch, which a gateway in
     # front of vLLM does not need (`pip install tracetrain` alone serves).
     if not isinstance(engine, ReplicaSet):
@@ -129,9 +136,10 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
         mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"
     engines = [r.engine for r in engine.replicas]
     if mode == "lora":
-        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines], canary_share=config.canary_share)
+        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines], canary_share=config.canary_share,
+                                probe=probe)
     return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines],
-                            canary_share=config.canary_share)
+                            canary_share=config.canary_share, probe=probe)
 
 
 def serve(config: Config, *, train: bool = False) -> None:

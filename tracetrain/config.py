@@ -252,6 +252,18 @@ class Config(BaseSettings):
     """Whether vLLM sleeps (level 1: weights to host memory, KV cache dropped) while a `sync`-mode step
     trains, and wakes for the new version: the trainer then has the GPU's memory to itself. `auto`: on
     when the engine and the trainer share a GPU in `sync` mode. CUDA only."""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The dtype vLLM serves in: passed as `--dtype` to the servers started here, and the dtype whose
+    tolerance the publish probe uses (`publish_probe`). `auto`: bfloat16 for servers started on GPUs,
+    float32 for servers on the CPU, and for servers given by `engine_url` (dtype unknown here) bfloat16's
+    wider tolerance."""
+    publish_probe: bool = True
+    """After loading a version into a replica, score a fixed sequence there and compare its logprobs with
+    the trainer's for the new weights (engines/probe.py). A replica that does not match is taken out of
+    routing and does not serve the version; the figures go on the version's row."""
+    publish_probe_tolerance: float | None = Field(default=None, gt=0)
+    """Largest mean |logprob difference| a replica's probe may show. None: by `engine_dtype` (float32
+    2e-3, float16 2e-2, bfloat16 5e-2)."""
     engine_timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
     json_max_whitespace: int | None = Field(default=12, ge=1)

@@ -25,11 +25,15 @@ import logging
 from pathlib import Path
 from typing import Protocol, cast
 
+from .probe import ProbeCheck
 from .publishing import Checkpoint, PublishError
 from .replicas import ReplicaSet
 from .vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 
 log = logging.getLogger(__name__)
+
+UNKNOWN_WEIGHTS = -1
+"""The version label of a replica whose weights failed their probe."""
 
 
 class ReloadCoordinator(Protocol):
@@ -50,7 +54,7 @@ class ReplicaPublisher:
     """Full-weight reloads drain one replica at a time instead of holding every generation."""
 
     def __init__(self, replicas: ReplicaSet, publishers: list[VLLMLoRAPublisher] | list[VLLMReloadPublisher], *,
-                 canary_share: float = 0.2) -> None:
+                 canary_share: float = 0.2, probe: ProbeCheck | None = None) -> None:
         if len(publishers) != len(replicas.replicas):
             raise ValueError("one publisher per replica")
         self.replicas = replicas
@@ -63,6 +67,10 @@ class ReplicaPublisher:
         """A canary staged next to `latest` (canary promotion), which a rejoining replica loads too."""
         self.coordinator: ReloadCoordinator | None = None
         """Set when other gateway processes may send to these replicas: full-weight reloads go through it."""
+        self.probe = probe
+        """Checks each replica's logprobs against the trainer's after a load (engines/probe.py)."""
+        self.probes: dict[int, dict[str, dict[str, float | bool]]] = {}
+        """Probe figures by version, then by replica URL: what the gateway records on the version's row."""
         self._lock = asyncio.Lock()
         replicas.catch_up = self.catch_up
 
@@ -115,7 +123,11 @@ class ReplicaPublisher:
             if self.latest is not None and self.latest.kind == "full":
                 await self._reload(index, self.latest)
             elif self.latest is not None:
-                await self.publishers[index].publish(self.latest)
+                lora = self._lora()[index]
+                await lora.load(self.latest)
+                await self._verify(index, self.latest, lora.adapter_name(self.latest.version))
+                lora.switch(self.latest)
+                await lora.tidy()
             if self.canary is not None and self.canary.kind == "lora":
                 await self._lora()[index].stage(self.canary)
             self.replicas.canary.discard(index)  # full weights: it came back with the incumbent's
@@ -132,7 +144,8 @@ class ReplicaPublisher:
         async with self._lock:
             lora = self._lora()
             targets = [i for i, up in enumerate(self.replicas.router.up) if up]
-            results = await asyncio.gather(*(lora[i].stage(checkpoint) for i in targets), return_exceptions=True)
+            results = await asyncio.gather(*(self._stage_verified(i, checkpoint) for i in targets),
+                                           return_exceptions=True)
             failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
                         if isinstance(r, BaseException)}
             if targets and len(failures) == len(targets):
@@ -140,6 +153,15 @@ class ReplicaPublisher:
             for i, reason in failures.items():
                 self._failed(i, checkpoint, reason)
             self.canary = checkpoint
+
+    async def _stage_verified(self, index: int, checkpoint: Checkpoint) -> None:
+        lora = self._lora()[index]
+        await lora.stage(checkpoint)
+        try:
+            await self._verify(index, checkpoint, lora.adapter_name(checkpoint.version))
+        except PublishError:
+            await lora.retire(checkpoint.version)
+            raise
 
     async def promote(self, checkpoint: Checkpoint) -> None:
         if checkpoint.kind == "full":
@@ -200,7 +222,12 @@ class ReplicaPublisher:
 
     async def _publish_lora(self, checkpoint: Checkpoint, targets: list[int]) -> dict[int, str]:
         lora = cast(list[VLLMLoRAPublisher], self.publishers)
-        results = await asyncio.gather(*(lora[i].load(checkpoint) for i in targets), return_exceptions=True)
+
+        async def load(i: int) -> None:
+            await lora[i].load(checkpoint)
+            await self._verify(i, checkpoint, lora[i].adapter_name(checkpoint.version))
+
+        results = await asyncio.gather(*(load(i) for i in targets), return_exceptions=True)
         failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
                     if isinstance(r, BaseException)}
         for i, reason in failures.items():
@@ -238,6 +265,7 @@ class ReplicaPublisher:
         """Reload one replica, agreed with the other gateway processes when there are any."""
         if self.coordinator is None:
             await self.publishers[index].publish(checkpoint)
+            await self._verify_reload(index, checkpoint)
             return
         url = self.replicas.replicas[index].url
         holds = await self.coordinator.begin_reload(url, checkpoint.version)
@@ -246,12 +274,43 @@ class ReplicaPublisher:
             return
         try:
             await self.publishers[index].publish(checkpoint)
+            await self._verify_reload(index, checkpoint)
         except BaseException as exc:
             # The publisher undid a failed reload (the old weights serve again), or the restore failed too
             # and the replica goes out: either way its recorded version stays.
             await asyncio.shield(self.coordinator.end_reload(url, None, None, f"{type(exc).__name__}: {exc}"))
             raise
         await asyncio.shield(self.coordinator.end_reload(url, checkpoint.version, checkpoint.path, None))
+
+    async def _verify_reload(self, index: int, checkpoint: Checkpoint) -> None:
+        engine = self.replicas.replicas[index].engine
+        try:
+            await self._verify(index, checkpoint, engine.model_name)
+        except PublishError:
+            # Its weights are neither the old version's nor the trainer's: no version may label its calls,
+            # and the health check's catch-up reloads the latest before it serves again.
+            engine.use_adapter(None, UNKNOWN_WEIGHTS)
+            raise
+
+    async def _verify(self, index: int, checkpoint: Checkpoint, model: str) -> None:
+        """Score the checkpoint's probe on replica `index` (`model`: the adapter's name or the base model's);
+        PublishError when its logprobs do not match the trainer's. Recorded either way."""
+        if self.probe is None:
+            return
+        replica = self.replicas.replicas[index]
+        try:
+            result = await self.probe(replica.engine, model, checkpoint.path)
+        except Exception as exc:
+            raise PublishError(f"the probe could not be scored: {exc}") from exc
+        if result is None:
+            return
+        figures = {"ok": result.ok, "mean_diff": result.mean_diff, "max_diff": result.max_diff,
+                   "tolerance": result.tolerance}
+        self.probes.setdefault(checkpoint.version, {})[replica.url] = figures
+        self.replicas.record(index, "probe_ok" if result.ok else "probe_failed",
+                             f"version {checkpoint.version}: {result.describe()}")
+        if not result.ok:
+            raise PublishError(result.describe())
 
     def _failed(self, index: int, checkpoint: Checkpoint, reason: str) -> None:
         self.replicas.take_out(index, f"publishing version {checkpoint.version} failed: {reason}")

@@ -245,7 +245,8 @@ class VLLMServer:
     def command(self) -> list[str]:
         if not self.python:
             raise RuntimeError(
-                "vLLM is not installed: create .venv-vllm (bash scripts/setup.sh, docs/operations.md) or set TRACETRAIN_VLLM_PYTHON"
+                "vLLM is not installed: create .venv-vllm (bash scripts/setup.sh, docs/operations.md) or set "
+                "TRACETRAIN_VLLM_PYTHON"
             )
         # With --uds vLLM binds only the socket: it ignores --host and --port.
         where = (["--uds", str(self.socket_path)] if self.socket_path is not None

@@ -145,26 +145,35 @@ class Gateway:
                                f"{self.engine.version}.", code="stale_version")
             if self.engine_sleep is not None:
                 await self.engine_sleep.wake()  # loading an adapter or reloading weights needs them on the GPU
-            # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
-            # run on the new weights under the old label: hold new generations at the gate instead.
-            if self.promotion.enabled:
-                if self.promotion.trial is not None:
-                    raise APIError(409, f"Version {self.promotion.trial.checkpoint.version} is still a canary: "
-                                   "promote or roll it back first.", code="canary_on_trial")
-                self.promotion.publisher = cast(CanaryPublisher, self.publisher)
-                await self.promotion.stage(checkpoint)
-                return
-            pauses = getattr(self.publisher, "pauses_engine", False)
-            if pauses:
-                self.gate.close("publish")
+            if self.promotion.enabled and self.promotion.trial is not None:
+                raise APIError(409, f"Version {self.promotion.trial.checkpoint.version} is still a canary: "
+                               "promote or roll it back first.", code="canary_on_trial")
             try:
-                await self.publisher.publish(checkpoint)
+                await self._load(checkpoint)
             finally:
-                if pauses:
-                    self.gate.open("publish")
-            await asyncio.to_thread(self._read, lambda db: promotion.mark_published(
-                db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
-                promotion="immediate"))
+                if probes := getattr(self.publisher, "probes", {}).get(checkpoint.version):
+                    await self.writer.submit(lambda db: promotion.record_probes(db, version=checkpoint.version,
+                                                                                probes=probes))
+
+    async def _load(self, checkpoint: Checkpoint) -> None:
+        assert self.publisher is not None
+        if self.promotion.enabled:
+            self.promotion.publisher = cast(CanaryPublisher, self.publisher)
+            await self.promotion.stage(checkpoint)
+            return
+        # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
+        # run on the new weights under the old label: hold new generations at the gate instead.
+        pauses = getattr(self.publisher, "pauses_engine", False)
+        if pauses:
+            self.gate.close("publish")
+        try:
+            await self.publisher.publish(checkpoint)
+        finally:
+            if pauses:
+                self.gate.open("publish")
+        await asyncio.to_thread(self._read, lambda db: promotion.mark_published(
+            db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
+            promotion="immediate"))
 
     async def _follow_versions(self, interval_s: float = 1.0) -> None:
         """Serve the newest version a trainer published through another gateway process on this store

@@ -53,6 +53,14 @@ def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, pr
     return policy.canary_since
 
 
+def record_probes(db: Session, *, version: int, probes: dict[str, Any]) -> None:
+    """Add the publish probe's figures by replica to `version`'s row (engines/probe.py)."""
+    policy = db.get(Policy, version)
+    if policy is not None:
+        policy.probes = {**(policy.probes or {}), **probes}
+        db.add(policy)
+
+
 def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
     """Final rewards of the sessions that began on `version` at or after `since` (excluded ones left out)."""
     query = select(AgentSession.reward).where(

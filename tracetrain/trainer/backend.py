@@ -34,6 +34,10 @@ class TrainerBackend(Protocol):
         """Write the engine's files and the sharded training state into the directory `path`."""
         ...
 
+    def logprobs(self, token_ids: list[int]) -> list[float]:
+        """The current weights' logprob of each token after the first (the publish probe, engines/probe.py)."""
+        ...
+
     def close(self) -> None:
         """Free the devices and processes (a no-op for `local`)."""
         ...

@@ -12,7 +12,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.backend import StepBatch
 from tracetrain.trainer.devices import autocast, local_device
-from tracetrain.trainer.step import SampledLogits, StepInputs, dpo_step, sft_step, train_step
+from tracetrain.trainer.step import SampledLogits, StepInputs, dpo_step, sft_step, token_logprobs, train_step
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,10 @@ class LocalBackend:
     def save(self, path: Path, *, merged: bool) -> None:
         checkpoint.save_weights(self.model, path, self.model.state_dict(), self.cfg, merged=merged)
         checkpoint.save_sharded(path / checkpoint.SHARDED_DIR, self.model, self.optimizer)
+
+    def logprobs(self, token_ids: list[int]) -> list[float]:
+        with autocast(self.cfg, self.device):
+            return token_logprobs(self.policy, token_ids)
 
     def close(self) -> None:
         return None

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from sqlalchemy.engine import Engine as DBEngine
 from sqlmodel import Session
+from transformers import AutoTokenizer
 
 from tracetrain.config import TrainConfig
+from tracetrain.engines.probe import PROBE_TEXT, Probe, write_probe
 from tracetrain.store import leases, promotion
 from tracetrain.store.models import Policy, utcnow
 from tracetrain.trainer import checkpoint
@@ -60,6 +62,9 @@ class Trainer:
         self.line: Path | None = Path(line.checkpoint) if line and line.checkpoint else None
         """The checkpoint the trainer's weights continue from (canary promotion: never a rolled-back one)."""
         self.baseline = RunningBaseline(cfg.baseline_momentum)
+        self.probe_ids: list[int] = AutoTokenizer.from_pretrained(str(base_dir)).encode(
+            PROBE_TEXT, add_special_tokens=False)
+        """Tokens every checkpoint's probe scores, so that each replica can prove it serves the new weights."""
         self.backend: TrainerBackend = self._load(self.line)
         if self.line is not None:
             log.info("resumed at version %d from %s", self.version, self.line)
@@ -156,8 +161,12 @@ class Trainer:
     def _checkpoint(self) -> Path:
         state = {"baseline": self.baseline.state_dict(), "counts": dict(self.counts), "version": self.version,
                  "base_model": checkpoint.architecture(self.base_dir)}
-        return checkpoint.save_version(self.cfg.checkpoint_dir, self.version,
-                                       lambda tmp: self.backend.save(tmp, merged=self.serves_merged), self.base_dir,
+        def write(tmp: Path) -> None:
+            self.backend.save(tmp, merged=self.serves_merged)
+            served = tmp / checkpoint.MERGED_DIR if self.serves_merged else tmp
+            write_probe(served, Probe(self.probe_ids, self.backend.logprobs(self.probe_ids), self.cfg.dtype))
+
+        return checkpoint.save_version(self.cfg.checkpoint_dir, self.version, write, self.base_dir,
                                        state, self.cfg.keep_checkpoints, merged=self.serves_merged,
                                        protect=self.line)
 

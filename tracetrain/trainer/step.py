@@ -60,6 +60,22 @@ class SampledLogits(torch.nn.Module):
         return self.model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where])  # type: ignore[no-any-return]
 
 
+@torch.no_grad()
+def token_logprobs(policy: SampledLogits, token_ids: list[int]) -> list[float]:
+    """Logprob of each token after the first in one sequence, in eval mode: what the publish probe compares
+    with the engine's (engines/probe.py)."""
+    training = policy.training
+    policy.eval()
+    try:
+        device = next(policy.parameters()).device
+        ids = torch.tensor([token_ids], device=device)
+        where = torch.ones(1, len(token_ids) - 1, dtype=torch.bool, device=device)
+        logits = policy(ids, torch.ones_like(ids), where).float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()  # type: ignore[no-any-return]
+    finally:
+        policy.train(training)
+
+
 def sequence_logprobs(policy: SampledLogits, micro: MicroBatch, *, entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each sampled target token under `policy` (0 elsewhere), and optionally its entropy."""

@@ -1,0 +1,114 @@
+"""Proving that a replica serves the weights the trainer wrote, before it serves them to anyone.
+
+The trainer scores a fixed sequence of tokens with the new weights and writes the logprobs into the
+checkpoint it publishes (`probe.json`, next to the weights or adapter). After loading a version, the
+publisher asks the replica to score the same tokens (`prompt_logprobs` of `/v1/completions`, under the
+adapter's name for LoRA) and compares. A replica whose logprobs differ by more than the tolerance for
+the dtype it serves is not switched to the version: it is taken out of routing, and the reason is
+recorded in the replica's events and on the version's row. This catches swaps that silently keep the
+old adapter or the base model, a known failure of peer systems.
+
+The comparison is the mean absolute difference over the scored tokens, so one token with an unlucky
+rounding does not fail a probe, while a wrong adapter moves every token. `TOLERANCE` holds the bound
+per dtype the engine serves in; the same weights scored by torch and by vLLM differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tracetrain.engines.vllm_server import async_http_client
+
+if TYPE_CHECKING:
+    from tracetrain.engines.vllm import VLLMEngine
+
+PROBE_FILE = "probe.json"
+
+PROBE_TEXT = ("Probe of the served weights. The quick brown fox jumps over the lazy dog; 2, 3, 5, 7, 11, 13. "
+              "def double(x):\n    return 2 * x\n")
+"""Scored by the trainer and by every replica: prose, numbers and code, so every layer's weights count."""
+
+TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 5e-2}
+"""Largest mean |logprob difference| between the trainer's scores and a replica's on the same weights,
+by the dtype the replica serves. Rounding alone: float32 agrees to about 1e-4 per token (vLLM on CPU
+against transformers, tests/integration/test_publish.py); 16-bit formats keep 8 (bfloat16) or 11
+(float16) bits of mantissa, hence the wider bounds."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of `token_ids[i + 1]` given the tokens before it, as the trainer computed it."""
+    dtype: str
+    """What the trainer computed in (its `train.dtype`)."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    mean_diff: float
+    max_diff: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.mean_diff <= self.tolerance
+
+    def describe(self) -> str:
+        verdict = "matches" if self.ok else "does not match"
+        return (f"probe {verdict} the trainer's logprobs: mean |diff| {self.mean_diff:.2e}, max {self.max_diff:.2e}, "
+                f"tolerance {self.tolerance:.0e}")
+
+
+def write_probe(directory: Path, probe: Probe) -> None:
+    (directory / PROBE_FILE).write_text(json.dumps(asdict(probe)))
+
+
+def read_probe(directory: Path) -> Probe | None:
+    """The checkpoint's probe; None for a checkpoint written without one (an older trainer, a tool)."""
+    path = directory / PROBE_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return Probe(list(data["token_ids"]), [float(x) for x in data["logprobs"]], str(data["dtype"]))
+
+
+def compare(expected: list[float], served: list[float], tolerance: float) -> ProbeResult:
+    if len(expected) != len(served) or not expected:
+        raise ValueError(f"the probe scored {len(served)} tokens, the trainer {len(expected)}")
+    diffs = [abs(a - b) for a, b in zip(expected, served, strict=True)]
+    return ProbeResult(sum(diffs) / len(diffs), max(diffs), tolerance)
+
+
+async def served_logprobs(engine: VLLMEngine, model: str, token_ids: list[int], *,
+                          timeout: float = 120.0) -> list[float]:
+    """The replica's logprob of each token after the first, scored by `model` (a LoRA adapter's name, or the
+    base model's for full weights)."""
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    async with async_http_client(engine.base_url, timeout=timeout) as client:
+        response = await client.post("/v1/completions", json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"the probe request failed with {response.status_code}: {response.text[:300]}")
+    scored = response.json()["choices"][0]["prompt_logprobs"]
+    return [float(scored[i][str(token_ids[i])]["logprob"]) for i in range(1, len(token_ids))]
+
+
+class ProbeCheck:
+    """Scores a checkpoint's probe on one replica (what `ReplicaPublisher` calls after each load)."""
+
+    def __init__(self, dtype: str, tolerance: float | None = None) -> None:
+        if dtype not in TOLERANCE:
+            raise ValueError(f"no probe tolerance for dtype {dtype!r} (known: {', '.join(TOLERANCE)})")
+        self.dtype = dtype
+        self.tolerance = tolerance if tolerance is not None else TOLERANCE[dtype]
+
+    async def __call__(self, engine: VLLMEngine, model: str, directory: Path) -> ProbeResult | None:
+        """None when the checkpoint carries no probe (nothing to compare against)."""
+        probe = read_probe(directory)
+        if probe is None:
+            return None
+        served = await served_logprobs(engine, model, probe.token_ids)
+        return compare(probe.logprobs, served, self.tolerance)

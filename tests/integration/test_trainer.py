@@ -113,8 +113,13 @@ def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_pat
     assert again.step_once() and again.version == 2
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [
+    ("float32", 1e-4),
+    pytest.param("bfloat16", 0.05, marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bfloat16 (tests/gpu/ checks it)")),
+])
 def test_trainer_logprobs_match_the_recorded_behaviour_logprobs(gateway: Any, tiny_model_path: Path,
-                                                               tmp_path: Path) -> None:
+                                                               dtype: str, tolerance: float) -> None:
     """Same weights, same tokens: the trainer's logprobs equal what the engine recorded (float32), so
     importance ratios start at 1. Tolerances per trainer dtype: float32 1e-4 (the same arithmetic in a
     different order); bfloat16 0.05 (its 8-bit mantissa puts a relative 2**-9 on every weight and
@@ -134,14 +139,11 @@ def test_trainer_logprobs_match_the_recorded_behaviour_logprobs(gateway: Any, ti
     micro = collate([sample], [0], pad_id=0)
     recorded = micro.behaviour_logprobs[micro.mask > 0]
     assert int(micro.mask.sum()) == 12
-    for dtype, tolerance in (("float32", 1e-4), ("bfloat16", 0.05)):
-        if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            continue  # this CPU has no bfloat16; a GPU run checks it
-        with torch.no_grad(), autocast(TrainConfig(dtype=dtype), "cpu"):
-            logprobs, _ = sequence_logprobs(model, micro)
-        difference = torch.max(torch.abs(logprobs[micro.mask > 0] - recorded)).item()
-        print(f"trainer {dtype} vs engine float32: max |logprob difference| {difference:.2g}")
-        assert difference < tolerance, dtype
+    with torch.no_grad(), autocast(TrainConfig(dtype=dtype), "cpu"):
+        logprobs, _ = sequence_logprobs(model, micro)
+    difference = torch.max(torch.abs(logprobs[micro.mask > 0] - recorded)).item()
+    print(f"trainer {dtype} vs engine float32: max |logprob difference| {difference:.2g}")
+    assert difference < tolerance
 
 
 def test_lora_checkpoints_can_carry_merged_full_weights(tiny_model_path: Path, tmp_path: Path) -> None:

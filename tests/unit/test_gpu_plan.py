@@ -77,7 +77,6 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatc
     assert gpus.visible_gpus() == ["0", "1", "2", "3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert gpus.visible_gpus() == ["2", "3"]
-    assert gpus.device_env(1) == {"CUDA_VISIBLE_DEVICES": "3"}  # this process's GPU 1 is the driver's 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpus.visible_gpus() == []
 

@@ -126,8 +126,3 @@ def _default_trainer_gpus(visible: int, engine: list[int], workers: int) -> list
     if workers > visible:
         raise ValueError(f"train.workers={workers} needs a GPU each, and {visible} are visible here")
     return list(range(workers))
-
-
-def device_env(gpu: int) -> dict[str, str]:
-    """Environment that gives a child process (a vLLM server) GPU `gpu` of this process's numbering."""
-    return {"CUDA_VISIBLE_DEVICES": visible_gpus()[gpu]}

@@ -79,9 +79,6 @@ class Router:
     def finished(self, replica: int) -> None:
         self.outstanding[replica] -= 1
 
-    def forget(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
     def _overloaded(self, replica: int, least: int) -> bool:
         return self.outstanding[replica] >= self.spill_at and self.outstanding[least] < self.outstanding[replica]
 

@@ -35,10 +35,3 @@ async def wake_up(base_url: str, *, timeout: float = 300.0) -> None:
     """Weights first, then the KV cache: the weights' copy back never meets a full cache on the GPU."""
     await _post(base_url, "/wake_up?tags=weights", timeout)
     await _post(base_url, "/wake_up?tags=kv_cache", timeout)
-
-
-async def is_sleeping(base_url: str, *, timeout: float = 30.0) -> bool:
-    async with async_http_client(base_url, timeout=timeout) as client:
-        response = await client.get("/is_sleeping")
-    response.raise_for_status()
-    return bool(response.json().get("is_sleeping"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -57,8 +56,3 @@ def open_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
             cursor.close()
         return engine
     return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True, **json_codec)
-
-
-def sessions(engine: Engine) -> Iterator[Session]:
-    with Session(engine) as db:
-        yield db

@@ -1,8 +1,8 @@
 """Which replica serves a call: sticky by session, least-loaded for new sessions, spill when overloaded.
 
 A session's later calls repeat its earlier prompt, which the replica that served it holds in its
-prefix cache; sending them elsewhere recomputes the whole prefix (prime-rl measured cache hits falling
-from 98% to 5%, about 4x slower, without affinity). So:
+prefix cache; sending them elsewhere recomputes the whole prefix (prime-rl reported the cache hit rate
+collapsing without affinity; bench/results/replicas_agentic.md has ours). So:
 
 - a session goes back to the replica that served its previous call (`sticky`);
 - a new session goes where its group already is (`group`: GRPO siblings share a prompt), else to the

@@ -38,8 +38,8 @@ class VLLMEngine:
     """Generates through one vLLM server; one pooled aiohttp session for all requests.
 
     aiohttp rather than httpx for this one client: on the gateway's hot path httpx's per-request URL
-    handling and pool bookkeeping were 15% of the gateway's CPU per call (profiled, see
-    `bench/results/gateway_overhead_profile.md`); the other, occasional HTTP calls keep httpx."""
+    handling and pool bookkeeping were a large share of the gateway's CPU per call (profiled, see
+    docs/benchmarks.md); the other, occasional HTTP calls keep httpx."""
 
     def __init__(
         self,

@@ -290,7 +290,8 @@ class VLLMServer:
         return env
 
     def start(self) -> VLLMServer:
-        """Launches the server and blocks until `/health` answers 200 (about 80 s on a 2-core CPU)."""
+        """Launches the server and blocks until `/health` answers 200 (on a small CPU, the better part of
+        `startup_timeout`'s first minutes)."""
         self.launch()
         try:
             self.wait_healthy()

@@ -6,24 +6,22 @@ transaction: one fsync for many calls. If a batch fails, its ops are retried one
 (a duplicate idempotency key, say) fails alone.
 
 Several gateway processes on one SQLite file take turns through a file lock before they begin a write
-transaction. SQLite's own wait for its write lock is a busy handler that sleeps 1, 2, 5, 10 … 100 ms
-between tries, so a process that lost a race kept sleeping after the lock was free: on 16 cores, 8
-processes served 794 req/s with a p99 of 2.1 s, and with this lock 2,613 req/s with 150 ms
-(bench/results/gateway_workers_h100.md).
+transaction. SQLite's own wait for its write lock is a busy handler that sleeps for growing intervals
+between tries, so a process that lost a race kept sleeping after the lock was free, and many processes
+served far fewer calls with a far longer tail than with this lock (bench/gateway_workers.py).
 A blocked `flock` wakes the moment the holder lets go, and the queued ops of the waiting process join its
 next batch meanwhile. The wait has no timeout: a process that dies releases the lock with its files, but
 one stopped while it holds it (SIGSTOP) holds up the others' writes until it goes on or is killed. Polling
-with a timeout instead (retries every 20–500 µs, the waits bounded at 30 s) served 17% less with 8
-processes on 16 cores (1,911 against 2,302 req/s, 2 repeats, interleaved; 18% more with 4, within noise):
-a retry also has to win back the GIL from a busy event loop.
+with a timeout instead served less with many processes: a retry also has to win back the GIL from a busy
+event loop.
 
 A batch is committed on the event loop itself, not in a worker thread, when `inline()` says nothing else
 waits for the loop (the gateway: one HTTP request in progress, the one being recorded) and neither lock
 has to be waited for: the file lock is taken without blocking and SQLite is asked for its write lock with
-a busy timeout of 0. Either held elsewhere, the batch goes to the thread, which waits for them. The hop to
-the thread and back, and the GIL passing between them, cost more than the commit: one-piece calls at
-concurrency 1 took 1.49 against 1.83 ms of CPU, streamed ones 1.83 against 2.02 (4 rounds, interleaved);
-at concurrency 16 the thread keeps the loop serving while one batch fsyncs (5–10% more req/s).
+a busy timeout of 0. Either held elsewhere, the batch goes to the thread, which waits for them. Alone,
+the hop to the thread and back, and the GIL passing between them, cost more CPU than the commit; under
+concurrency the thread keeps the loop serving while one batch fsyncs (bench/gateway_overhead.py measures
+both).
 """
 
 from __future__ import annotations

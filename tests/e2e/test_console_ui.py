@@ -310,8 +310,10 @@ def test_policies_overview_and_capture_pages_show_the_api_figures(console: Conso
     sync_api.expect(page.locator("#policies tbody tr")).to_have_count(len(listed["data"]))
     figures = trained[-1]["metrics"]
     assert {"reward_mean", "advantage_std", "loss", "kl", "entropy", "clip_fraction", "samples", "set_aside",
-            "staleness", "publish_seconds"} <= figures.keys()
+            "staleness", "publish_seconds", "time_s"} <= figures.keys()
     newest = page.locator(f"#policies tr[data-version='{trained[-1]['version']}']")
+    for part in ("wait", "fwd/bwd", "ckpt", "publish"):  # where the step's time went
+        sync_api.expect(newest.locator(".step-time")).to_contain_text(part)
     for name in ("reward_mean", "advantage_std", "clip_fraction"):
         sync_api.expect(newest).to_contain_text(f"{figures[name]:.3f}")
     _shot(page, "policies")

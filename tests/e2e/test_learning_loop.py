@@ -112,6 +112,15 @@ async def test_agents_keep_running_while_versions_advance(learning_gateway: Runn
     for policy in policies:  # each version says what it trained on and how old it was
         assert sum(policy.metrics["staleness"].values()) == policy.metrics["samples"]
         assert policy.metrics["sessions"] >= 8 and policy.metrics["age_s"]["max"] >= 0
+    for policy in policies:  # and where its step's time went, each part measured
+        times = policy.metrics["time_s"]
+        assert set(times) == {"wait_data", "claim", "forward_backward", "optimizer", "checkpoint", "publish"}
+        assert all(t >= 0 for t in times.values()) and times["forward_backward"] > 0 and times["checkpoint"] > 0
+    served = {c.policy_version for c in calls}
+    for policy in policies:  # the first call of every version that served one is dated after its publish
+        if policy.version in served:
+            assert policy.first_call_at is not None and policy.published_at is not None
+            assert policy.first_call_at >= policy.published_at
     listing = httpx.get(f"{learning_gateway.url}/v1/policies").json()
     assert listing["sessions"]["set_aside"] == {reason: len([s for s in unused if s.skip_reason == reason])
                                                 for reason in {s.skip_reason for s in unused}}

@@ -29,6 +29,7 @@ from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.replica_sync import ReplicaSync
 from tracetrain.store import holds, promotion, queries, search_index
 from tracetrain.store.messages import full_messages
+from tracetrain.store.models import utcnow
 from tracetrain.store.trajectory import full_ids
 from tracetrain.store.writer import StoreWriter
 
@@ -87,6 +88,9 @@ class Gateway:
                              and isinstance(engine, ReplicaSet) else None)
         """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""
         self._sleeper: asyncio.Task[None] | None = None
+        self._newest_served = -1
+        """The newest version this process has recorded a call of (see `note_served`)."""
+        self._notes: set[asyncio.Task[Any]] = set()
         self._holds: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._indexer: asyncio.Task[None] | None = None
@@ -212,6 +216,18 @@ class Gateway:
                 log.warning("indexing calls for the search failed: %s", exc)
                 indexed = 0
             seen = self.writer.committed_ops
+
+    def note_served(self, version: int) -> None:
+        """A call of `version` was recorded: the first one of a version newer than any this process served
+        dates the version's first call (`Policy.first_call_at`; a no-op if another process got there first)."""
+        if version <= self._newest_served:
+            return
+        self._newest_served = version
+        at = utcnow()
+        task = asyncio.create_task(self.writer.submit(
+            lambda db: promotion.record_first_call(db, version=version, at=at)))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
 
     def hold_for_training(self, training: bool) -> None:
         """A `sync`-mode step in this process: close generation while it trains (event loop thread)."""

@@ -256,6 +256,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     check_rollback = gw.config.promotion == "canary"
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
                                                            rows=rows, check_rollback=check_rollback))
+    gw.note_served(max(row["policy_version"] for row in rows))
     if turn.new_session:
         gw.new_session(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
         gw.metrics.sessions.inc()

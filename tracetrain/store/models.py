@@ -163,6 +163,9 @@ class Policy(SQLModel, table=True):
     decided_at: datetime | None = None
     decision: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     """The canary decision with its numbers (proxy/sequential.py), or who promoted or rolled it back."""
+    first_call_at: datetime | None = None
+    """When a gateway first recorded a call this version served: after `published_at`, the last part of
+    the time from a trained batch to a better reply."""
     probes: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     """The publish probe by replica URL (engines/probe.py): `ok`, `mean_diff`, `max_diff`, `tolerance`.
     A replica whose probe failed was taken out of routing and does not serve this version."""

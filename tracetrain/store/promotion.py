@@ -61,6 +61,12 @@ def record_probes(db: Session, *, version: int, probes: dict[str, Any]) -> None:
         db.add(policy)
 
 
+def record_first_call(db: Session, *, version: int, at: datetime) -> None:
+    """`version` served its first call at `at`, unless an earlier one (another gateway process) is recorded."""
+    db.execute(update(Policy).where(col(Policy.version) == version, col(Policy.first_call_at).is_(None))
+               .values(first_call_at=at))
+
+
 def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
     """Final rewards of the sessions that began on `version` at or after `since` (excluded ones left out)."""
     query = select(AgentSession.reward).where(

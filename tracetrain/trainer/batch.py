@@ -37,6 +37,8 @@ class Batch:
     set_aside: Counter[str] = field(default_factory=Counter)
     """Sessions this step's gathering set aside, by reason."""
     started: float = field(default_factory=time.monotonic)
+    claim_seconds: float = 0.0
+    """Time spent claiming and loading sessions (the rest of gathering is waiting for them)."""
 
     def figures(self, version: int) -> dict[str, Any]:
         """What the step trained on: counts, set-aside causes, and how old it was (in versions and seconds)."""
@@ -49,6 +51,7 @@ class Batch:
             "age_s": {"p50": statistics.median(ages), "p90": ages[int(0.9 * (len(ages) - 1))], "max": ages[-1]}
             if ages else {},
             "gather_seconds": time.monotonic() - self.started,
+            "claim_seconds": self.claim_seconds,
         }
 
 
@@ -64,7 +67,9 @@ class BatchGatherer:
         batch = Batch()
         full_by: float | None = None
         while True:
+            began = time.monotonic()
             claimed = self._round(batch, version)
+            batch.claim_seconds += time.monotonic() - began
             have = len(batch.session_ids)
             if have >= self.cfg.batch_sessions:
                 return batch

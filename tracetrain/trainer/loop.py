@@ -39,6 +39,20 @@ PublishFn = Callable[[int, Path, str], None]
 """(version, checkpoint dir, kind 'full'|'lora') -> None; raises if the engine could not take it."""
 
 
+def step_times(figures: dict[str, Any]) -> dict[str, float]:
+    """Where a step's time went, in the order it was spent (seconds): waiting for sessions to be ready,
+    claiming and loading them, the forward and backward passes, the optimizer, the checkpoint. The
+    publish is added once it is done, and the gateway records the first call the version serves
+    (`Policy.first_call_at`)."""
+    times = {"wait_data": figures["gather_seconds"] - figures.get("claim_seconds", 0.0),
+             "claim": figures.get("claim_seconds", 0.0)}
+    if "forward_backward_seconds" in figures:  # the local backend times them apart
+        times |= {"forward_backward": figures["forward_backward_seconds"], "optimizer": figures["optimizer_seconds"]}
+    elif "step_seconds" in figures:
+        times["step"] = figures["step_seconds"]
+    return {**times, "checkpoint": figures["checkpoint_seconds"]}
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, db: DBEngine, base_dir: Path, *, publish: PublishFn | None = None,
                  gate: Callable[[bool], None] | None = None) -> None:
@@ -134,9 +148,12 @@ class Trainer:
             if self.gate:  # sync mode: the engine may wake into this GPU's memory for the publish below
                 release_cached_memory()
             self.version += 1
+            began = time.perf_counter()
             path = self._checkpoint()
+            figures["checkpoint_seconds"] = time.perf_counter() - began
             self.line = path.resolve()
-            self._record(path, {**figures, **gathered}, batch.samples, batch.session_ids)
+            figures = {**figures, **gathered}
+            self._record(path, {**figures, "time_s": step_times(figures)}, batch.samples, batch.session_ids)
             self._publish(path)
         except BaseException:
             self.batches.release(batch)
@@ -215,7 +232,9 @@ class Trainer:
             if policy is not None:
                 policy.published_at = None if error else utcnow()
                 policy.publish_error = error
-                policy.metrics = {**policy.metrics, "publish_seconds": time.perf_counter() - started}
+                seconds = time.perf_counter() - started
+                times = {**policy.metrics.get("time_s", {}), "publish": seconds}
+                policy.metrics = {**policy.metrics, "publish_seconds": seconds, "time_s": times}
                 s.add(policy)
                 s.commit()
 

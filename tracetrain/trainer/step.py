@@ -161,16 +161,25 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
             if is_weights is not None:
                 totals["is_weight"] += weight * float((is_weights * mb.mask).sum()) / max(share.num_tokens, 1) \
                     / cfg.ppo_epochs
+    passes_done = _synchronized(device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    elapsed = time.perf_counter() - started
+    elapsed = _synchronized(device) - started
     total_tokens = sum(int(mb.attention_mask.sum()) for mb, w in zip(micro_batches, weights, strict=True) if w) \
         * cfg.ppo_epochs
     if clipped is not None:
         totals["clip_fraction"] = clipped
     return {**totals, "grad_norm": float(_full(grad_norm)), "trained_tokens": num_tokens if share.live else 0,
-            "step_seconds": elapsed, "tokens_per_second": total_tokens / elapsed, "micro_batches": len(micro_batches)}
+            "step_seconds": elapsed, "tokens_per_second": total_tokens / elapsed, "micro_batches": len(micro_batches),
+            "forward_backward_seconds": passes_done - started, "optimizer_seconds": started + elapsed - passes_done}
+
+
+def _synchronized(device: torch.device) -> float:
+    """A clock reading once the device has finished its queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

@@ -533,6 +533,31 @@ function chart(target, title, xs, ys, timeAxis) {
   }, [xs, ys], target);
 }
 
+// Where a version's step went, in order (trainer/loop.py `step_times`), then until its first call served.
+const STEP_PARTS = [["wait_data", "wait"], ["claim", "claim"], ["forward_backward", "fwd/bwd"],
+  ["optimizer", "opt"], ["step", "step"], ["checkpoint", "ckpt"], ["publish", "publish"]];
+
+function stepTime(p) {
+  const times = p.metrics.time_s || {};
+  const parts = STEP_PARTS.filter(([key]) => times[key] !== undefined)
+    .map(([key, label]) => `${label} ${fmt(times[key], 2)}`);
+  if (p.first_call_at && p.published_at) {
+    const seconds = (Date.parse(p.first_call_at) - Date.parse(p.published_at)) / 1000;
+    parts.push(`first call ${fmt(Math.max(0, seconds), 2)}`);
+  }
+  return parts.length ? parts.join(" · ") : "—";
+}
+
+// The publish probe on each replica (engines/probe.py): did every replica serve the trainer's weights?
+function probeBadge(probes) {
+  const results = Object.entries(probes || {});
+  if (!results.length) return "—";
+  const failed = results.filter(([, r]) => !r.ok);
+  const detail = results.map(([url, r]) => `${url}: mean |diff| ${fmt(r.mean_diff, 5)}`).join("\n");
+  return el("span", { class: failed.length ? "badge bad" : "badge", title: detail },
+    failed.length ? `${failed.length}/${results.length} failed` : `${results.length} ok`);
+}
+
 function policiesPage(view) {
   const summary = el("p", { id: "policy-sessions" });
   const byVersion = el("div", { class: "chart", id: "chart-version" });
@@ -557,14 +582,14 @@ function policiesPage(view) {
     const m = (p, name, digits) => el("td", { class: "num" }, fmt(p.metrics[name], digits));
     table.replaceChildren(
       el("thead", {}, el("tr", {}, ["version", "created", "kind", "reward mean", "advantage spread", "loss", "KL",
-        "entropy", "clip fraction", "samples", "set aside", "staleness", "publish s", "published"]
+        "entropy", "clip fraction", "samples", "set aside", "staleness", "step time (s)", "probe", "published"]
         .map((h) => el("th", {}, h)))),
       el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version },
         el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
         m(p, "reward_mean"), m(p, "advantage_std"), m(p, "loss", 4), m(p, "kl", 4), m(p, "entropy"),
         m(p, "clip_fraction"), m(p, "samples"),
         el("td", {}, counts(p.metrics.set_aside)), el("td", {}, counts(p.metrics.staleness)),
-        m(p, "publish_seconds", 2),
+        el("td", { class: "step-time" }, stepTime(p)), el("td", {}, probeBadge(p.probes)),
         el("td", {}, p.publish_error ? el("span", { class: "badge bad", title: p.publish_error }, "failed")
           : p.published_at ? when(p.published_at) : "—"),
       ))),

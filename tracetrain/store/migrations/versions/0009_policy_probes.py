@@ -1,5 +1,6 @@
-"""The publish probe's figures per replica on each version's row (engines/probe.py): which replicas
-proved they serve the trainer's weights, by how much their logprobs differed, and which did not.
+"""On each version's row: the publish probe's figures per replica (engines/probe.py: which replicas
+proved they serve the trainer's weights, by how much their logprobs differed, and which did not), and
+when a gateway first served a call with it.
 
 Revision ID: 0009
 Revises: 0008
@@ -19,8 +20,10 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("policies") as batch:
         batch.add_column(sa.Column("probes", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("first_call_at", sa.DateTime(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("policies") as batch:
+        batch.drop_column("first_call_at")
         batch.drop_column("probes")

@@ -343,6 +343,13 @@ def export_cmd(args: argparse.Namespace, config: Config) -> None:
     print(f"wrote {rows} trajectory segments to {args.out}")
 
 
+def _help(name: str) -> str:
+    """A flag's help: the first sentence of its setting's docstring (docs/configuration.md has it all)."""
+    text = " ".join((Config.model_fields[name].description or "").split())
+    first = text.split(". ")[0].rstrip(".")
+    return (first + ".").replace("%", "%%")  # argparse formats help with %
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracetrain")
     parser.add_argument("--config", type=Path, help="YAML config file")
@@ -351,18 +358,16 @@ def _parser() -> argparse.ArgumentParser:
     serve_p = sub.add_parser("serve", help="run the gateway in front of an engine")
     for flag, kind in (("host", str), ("port", int), ("engine", str), ("model", str), ("served-model-name", str),
                        ("db-url", str), ("vllm-port", int), ("admin-key", str), ("replicas", int)):
-        serve_p.add_argument(f"--{flag}", type=kind)
-    serve_p.add_argument("--workers", type=int, dest="gateway_workers", help="gateway processes on the port")
-    serve_p.add_argument("--gateway-cpus", dest="gateway_cpus",
-                         help="CPUs for the gateway's processes, e.g. 2,3 or 2-5 (each worker on one, in turn)")
+        serve_p.add_argument(f"--{flag}", type=kind, help=_help(flag.replace("-", "_")))
+    serve_p.add_argument("--workers", type=int, dest="gateway_workers", help=_help("gateway_workers"))
+    serve_p.add_argument("--gateway-cpus", dest="gateway_cpus", help=_help("gateway_cpus"))
     serve_p.add_argument("--engine-url", action="append", dest="engine_url",
-                         help="a running vLLM server (repeatable: several are replicas)")
-    serve_p.add_argument("--api-key", action="append", dest="api_keys", help="agent API key (repeatable)")
-    serve_p.add_argument("--train", action="store_true", help="run the trainer in the gateway process")
+                         help=_help("engine_url") + " Repeatable.")
+    serve_p.add_argument("--api-key", action="append", dest="api_keys", help=_help("api_keys") + " Repeatable.")
+    serve_p.add_argument("--train", action="store_true", help="Run the trainer in the gateway process.")
     train_p = sub.add_parser("train", help="run the trainer as its own process against the same store")
-    train_p.add_argument("--db-url")
-    train_p.add_argument("--model")
-    train_p.add_argument("--admin-key")
+    for flag in ("db-url", "model", "admin-key"):
+        train_p.add_argument(f"--{flag}", help=_help(flag.replace("-", "_")))
     train_p.add_argument("--gateway-url", help="gateway that publishes each new version (admin key needed)")
     for p in (serve_p, train_p):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -370,11 +375,12 @@ def _parser() -> argparse.ArgumentParser:
                             "(repeatable; the same keys in every subcommand)")
     db_p = sub.add_parser("db", help="the store's schema: `current` shows its revision, `upgrade` migrates it")
     db_p.add_argument("action", choices=["current", "upgrade"])
-    db_p.add_argument("--db-url")
+    db_p.add_argument("--db-url", help=_help("db_url"))
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
-    export_p.add_argument("--db-url")
-    export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    export_p.add_argument("--out", required=True)
+    export_p.add_argument("--db-url", help=_help("db_url"))
+    export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
+                          help="JSON lines, or Parquet (needs the export extra).")
+    export_p.add_argument("--out", required=True, help="File to write the trajectory segments to.")
     return parser
 
 

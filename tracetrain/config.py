@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 class TrainConfig(BaseModel):
     """The learning loop. Algorithm names come from verl's registries (your own registered ones too)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)  # each field's docstring is its description
 
     plugins: list[str] = Field(default_factory=list)
     """Modules imported before the trainer starts: register your own verl estimators and losses there
@@ -175,7 +177,8 @@ class TrainConfig(BaseModel):
 
 
 class Config(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid",
+                                      use_attribute_docstrings=True)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

@@ -17,7 +17,14 @@ import argparse
 import random
 import statistics
 
-from bench.common import ResultTable, console, write_results
+from bench.common import (
+    ResultTable,
+    add_results_dir_argument,
+    command_line,
+    console,
+    run_started,
+    write_results,
+)
 from tracetrain.config import Config
 from tracetrain.proxy.sequential import decide
 
@@ -39,14 +46,18 @@ def run_once(rng: random.Random, p_canary: float, p_incumbent: float, cfg: Confi
     return "wait", len(canary)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.canary_test", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=400)
     parser.add_argument("--base", type=float, default=0.5)
     parser.add_argument("--look-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    started = run_started()
     cfg = Config()
+    rows: list[dict[str, object]] = []
     rng = random.Random(args.seed)
     table = ResultTable(
         f"Bernoulli rewards, incumbent {args.base}; share {cfg.canary_share}, min {cfg.canary_min_sessions}, max "
@@ -62,6 +73,8 @@ def main() -> None:
         rolled = sum(o == "rollback" for o, _ in outcomes)
         early = sum(o != "wait" and n < cfg.canary_max_sessions for o, n in outcomes)
         wrong = rolled if delta > -cfg.canary_margin else promoted if delta < -cfg.canary_margin else None
+        rows.append({"delta": delta, "promoted": promoted, "rolled_back": rolled, "decided_before_cap": early,
+                     "errors": wrong, "canary_sessions": [n for _, n in outcomes]})
         table.add(f"{delta:+.2f}", f"{promoted / args.runs:.1%}", f"{rolled / args.runs:.1%}",
                   f"{(args.runs - promoted - rolled) / args.runs:.1%}",
                   f"{statistics.median(n for _, n in outcomes):.0f}", f"{early / args.runs:.1%}",
@@ -75,8 +88,13 @@ def main() -> None:
         "by the interval (see 'decided before the cap'); the cap's mean rule then decides. A broken version "
         "(−0.2 or worse) is rolled back long before the cap.",
     ]
-    command = f"python -m bench.canary_test --runs {args.runs} --base {args.base} --look-every {args.look_every}"
-    path = write_results("canary_test", "Canary test: operating characteristics", command, [table], notes)
+    settings = {"share": cfg.canary_share, "min_sessions": cfg.canary_min_sessions,
+                "max_sessions": cfg.canary_max_sessions, "margin": cfg.canary_margin, "alpha": cfg.canary_alpha}
+    raw = {"runs": args.runs, "base": args.base, "look_every": args.look_every, "seed": args.seed,
+           "canary_settings": settings, "rows": rows}
+    command = command_line("bench.canary_test", argv)
+    path = write_results("canary_test", "Canary test: operating characteristics", command, [table], notes,
+                         raw=raw, started=started, results_dir=args.results_dir)
     console.print(table.rich())
     console.print(f"wrote {path}")
 

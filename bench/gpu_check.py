@@ -46,7 +46,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import socket
@@ -63,12 +62,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    RunStart,
+    command_output,
+    git_sha,
+    package_version,
+    run_started,
+    utc_text,
+    write_results,
+)
+from bench.common import provenance as common_provenance
+
 if TYPE_CHECKING:
     from tracetrain.config import TrainConfig
     from tracetrain.trainer.data import Sample
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "bench" / "results"
 SCHEMA = "tracetrain.gpu_check/1"
 PARTS = (1, 2, 3)
 PART_TITLES = {
@@ -278,60 +288,23 @@ def train_config(work: Path, **values: Any) -> TrainConfig:
 
 
 def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utc_text(datetime.now(UTC))
 
 
-def _command_output(cmd: list[str]) -> str | None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
+GPU_CHECK_PACKAGES = ("verl", "ray", "tensordict", "safetensors", "numpy")
+"""Versions recorded beside bench.common's PROVENANCE_PACKAGES: what the trainer's step runs on here."""
 
 
-def git_sha(explicit: str | None) -> str:
-    """`--git-sha`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when the tree differs), else
-    "unknown" (the device machine's copy of the tree may have no .git)."""
-    if explicit:
-        return explicit
-    if os.environ.get("GIT_SHA"):
-        return os.environ["GIT_SHA"]
-    head = _command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
-    if head is None:
-        return "unknown"
-    status = _command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
-    return head + ("+dirty" if status else "")
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def provenance(sha: str, started_utc: str) -> dict[str, Any]:
-    versions = {name: package_version(name) for name in ("torch", "transformers", "peft", "vllm", "verl", "ray",
-                                                          "tensordict", "safetensors", "numpy")}
-    info: dict[str, Any] = {
-        "nvidia_smi": _command_output(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
-        "device_name": None, "versions": versions, "git_sha": sha, "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(), "hostname": platform.node(), "started_utc": started_utc,
-        "ended_utc": None,
-    }
+def provenance(sha: str, started: RunStart) -> dict[str, Any]:
+    """bench.common's provenance with the trainer's other libraries and, once a part has imported torch,
+    the CUDA device torch sees."""
+    info = common_provenance(started, sha=sha)
+    info["versions"].update({name: package_version(name) for name in GPU_CHECK_PACKAGES})
+    info["device_name"] = None
     if "torch" in sys.modules:  # set once a part has imported torch; the lightweight actions never do
         import torch
 
-        versions["torch_cuda"] = torch.version.cuda
+        info["versions"]["torch_cuda"] = torch.version.cuda
         if torch.cuda.is_available():
             info["device_name"] = torch.cuda.get_device_name()
             info["device_count"] = torch.cuda.device_count()
@@ -354,7 +327,7 @@ class Part:
     notes: list[str] = field(default_factory=list)
     status: str = "running"
     started: float = field(default_factory=time.perf_counter)
-    started_utc: str = field(default_factory=utc_now)
+    started_run: RunStart = field(default_factory=run_started)
 
     def left_s(self) -> float:
         return self.budget_s - (time.perf_counter() - self.started)
@@ -363,8 +336,7 @@ class Part:
         return self.out / f"gpu_check_part{self.number}.json"
 
     def record(self) -> dict[str, Any]:
-        info = provenance(self.sha, self.started_utc)
-        info["ended_utc"] = utc_now()
+        info = provenance(self.sha, self.started_run)
         peak = peak_for(info.get("device_name"))
         return {"schema": SCHEMA, "part": self.number, "title": PART_TITLES[self.number], "dry_run": self.dry_run,
                 "status": self.status, "elapsed_s": round(time.perf_counter() - self.started, 1),
@@ -615,7 +587,7 @@ def measure_throughput(run: ThroughputRun, *, device: str, dtype: str, work: Pat
 def run_part1(part: Part, *, device: str, dtype: str, work: Path, warmup: int, steps: int) -> None:
     from tracetrain.trainer.step import train_step
 
-    peak = peak_for(provenance(part.sha, part.started_utc).get("device_name")) if device.startswith("cuda") else None
+    peak = peak_for(provenance(part.sha, part.started_run).get("device_name")) if device.startswith("cuda") else None
     part.settings = {"device": device, "dtype": dtype, "warmup_steps": warmup, "timed_steps": steps,
                      "step": f"{train_step.__module__}.train_step via LocalBackend.step (algorithm rl, verl "
                              "policy loss 'vanilla', tis_cap 2.0, kl_coef 0, fused AdamW)",
@@ -1263,7 +1235,7 @@ def wheel_sizes(directory: Path) -> dict[str, Any]:
 
 def tracked_tree_bytes() -> int | None:
     """Bytes of what the device tool sends besides carried paths: tracked and untracked-not-ignored files."""
-    listed = _command_output(["git", "-C", str(REPO_ROOT), "ls-files", "-z", "--cached", "--others",
+    listed = command_output(["git", "-C", str(REPO_ROOT), "ls-files", "-z", "--cached", "--others",
                               "--exclude-standard"])
     if listed is None:
         return None
@@ -1377,16 +1349,19 @@ def print_plan(plan: dict[str, Any]) -> None:
 
 
 def collect(directory: Path, results_dir: Path) -> tuple[Path, Path]:
-    """Combine the returned part files into `results_dir/gpu_check.{json,md}`."""
+    """Combine the returned part files into `results_dir/gpu_check.{json,md}` through bench.common's writer,
+    with the device run's provenance: the first part's, ending when the last part ended."""
     parts = load_parts(directory)
     if not parts:
         raise SystemExit(f"no gpu_check_part*.json under {directory}")
-    results_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = results_dir / "gpu_check.json", results_dir / "gpu_check.md"
-    json_path.write_text(json.dumps({"schema": SCHEMA, "collected_utc": utc_now(), "source": str(directory),
-                                     "parts": parts}, indent=2, default=str) + "\n")
-    write_markdown(parts, md_path)
-    return json_path, md_path
+    info = {**parts[0]["provenance"], "ended_utc": max(p["provenance"]["ended_utc"] for p in parts)}
+    body = "\n".join(line for part in parts for line in part_markdown(part))
+    notes = [f"measured on the device by: `{parts[0].get('device_command', '?')}`",
+             "MFU formula: the module docstring of bench/gpu_check.py; how to run: bench/README.md, \"GPU check\""]
+    md_path = write_results("gpu_check", "GPU check (issue 29)", f"python -m bench.gpu_check --collect {directory}",
+                            [], notes, raw={"schema": SCHEMA, "source": str(directory), "parts": parts},
+                            started=run_started(), results_dir=results_dir, body=body, info=info)
+    return md_path.with_suffix(".json"), md_path
 
 
 def _parse_parts(value: str) -> tuple[int, ...]:

@@ -22,14 +22,16 @@ by k. Every `--eval-every` seconds after the previous evaluation ended, an arm e
 `held_out(eval_size, "test")` (fixed, disjoint from TRAIN): tracetrain through the gateway with the
 agent's `--eval` mode while training traffic continues, TRL with HF `generate` between two steps.
 
-    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --minutes 8   # once: lr per arm (validation)
+    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --minutes 8   # first: lr per arm (validation)
     python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --pairings same-engine   # or only these two:
         # tracetrain + vLLM then takes the lr chosen for tracetrain + transformers (same trainer)
     python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
     python -m bench.learning_speed --pairings same-engine --seeds 0 --minutes 1.5 --eval-size 8 \\
-        --eval-every 30 --output learning_speed_smoke                        # smoke test
+        --eval-every 30 --results-dir /tmp/learning_speed                    # smoke test
 
-Results: `bench/results/<output>.{md,png,json}` (`learning_speed_lr.{md,json}` for `--select-lr`).
+Results: `bench/results/learning_speed.{md,json,png}`. `--select-lr` writes its choice to
+`bench/out/learning_speed_lr.{md,json}` (scratch), which the measured runs read and copy into their
+results, so the committed file holds the selection its learning rates came from.
 """
 
 from __future__ import annotations
@@ -51,13 +53,24 @@ from typing import Any
 import httpx
 from rich.markup import escape
 
-from bench.common import OUT_DIR, REPO_ROOT, RESULTS_DIR, console, free_port
+from bench.common import (
+    OUT_DIR,
+    REPO_ROOT,
+    RESULTS_DIR,
+    add_results_dir_argument,
+    command_line,
+    console,
+    free_port,
+    provenance,
+    run_started,
+)
 from bench.learning_speed_report import ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
 from tracetrain.config import TrainConfig
 from tracetrain.demo import arithmetic
 from tracetrain.demo.run import AGENT, DEMO_TRAINING, _wait_healthy, _write_config
 from tracetrain.engines.vllm_server import die_with_parent, find_vllm_python
 
+HEADING = "Learning speed: tracetrain vs TRL GRPOTrainer"
 THRESHOLD = 0.55
 """Held-out reward whose first crossing is timed (metric 1). Fixed before any run of this bench, never
 derived from an arm's result: the base model scores 0.31 on the test sums, and 0.55 is a gain a 10-minute
@@ -92,7 +105,8 @@ both. rloo: r - mean of the other members, which is n/(n-1) times TRL's unscaled
 direction, a constant factor that Adam's normalisation all but removes."""
 LR_SEED = 100
 """`--select-lr` runs this seed, distinct from the measured ones."""
-LR_FILE = RESULTS_DIR / "learning_speed_lr.json"
+LR_FILE = OUT_DIR / "learning_speed_lr.json"
+"""`--select-lr`'s output: the input of the measured runs, kept out of bench/results until they copy it."""
 TRL_VLLM_UNAVAILABLE = (
     "TRL + vLLM cannot run on this machine. Server mode (vllm_mode='server'): VLLMClient.init_communicator syncs "
     "weights through vLLM's NCCL weight-transfer engine and raises NotImplementedError for any non-CUDA device "
@@ -377,7 +391,7 @@ def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[st
         if arm not in ARMS:
             raise SystemExit(f"--lr {item}: unknown arm (one of {', '.join(ARMS)})")
         given[arm] = float(value)
-    chosen = json.loads(lr_file.read_text())["chosen"] if lr_file.exists() else {}
+    chosen = lr_selection(lr_file).get("raw", {}).get("chosen", {})
     lrs = {}
     for arm in arms:
         if arm in given:
@@ -396,12 +410,17 @@ def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[st
     return lrs
 
 
+def lr_selection(lr_file: Path) -> dict[str, Any]:
+    """The `--select-lr` results document (`{}` when there is none yet)."""
+    return json.loads(lr_file.read_text()) if lr_file.exists() else {}
+
+
 def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def _command() -> str:
-    return "python -m bench.learning_speed " + " ".join(sys.argv[1:])
+    return command_line("bench.learning_speed")
 
 
 def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[int, list[str]]) -> list[str]:
@@ -448,6 +467,7 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
 
 
 def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
+    started = run_started()
     eval_size = min(args.eval_size or len(arithmetic.VALIDATION), len(arithmetic.VALIDATION))
     specs = [RunSpec(arm, LR_SEED, lr, args.minutes, args.eval_every, eval_size, "validation", position)
              for j, lr in enumerate(args.select_lr) for position, arm in enumerate(rotated(arms, j))]
@@ -455,12 +475,15 @@ def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
     notes = [f"seed {LR_SEED} (not a measured seed), {args.minutes:g} min per run, start-up included, evaluated on "
              f"held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr with the highest "
              f"validation AUC ({METRICS['AUC']}) is chosen; the test split is never looked at here",
-             "`python -m bench.learning_speed` reads the chosen lr per arm from bench/results/learning_speed_lr.json"]
-    write_lr_report(args.output, _command(), runs, LABELS, notes,
-                    {"args": _jsonable(args), "split": "validation", "seed": LR_SEED, "eval_size": eval_size})
+             f"`python -m bench.learning_speed` reads the chosen lr per arm from {LR_FILE.name} and copies this "
+             "selection into its results"]
+    write_lr_report(LR_FILE.parent, _command(), runs, LABELS, notes,
+                    {"args": _jsonable(args), "split": "validation", "seed": LR_SEED, "eval_size": eval_size},
+                    started)
 
 
 def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) -> None:
+    started = run_started()
     lrs = resolve_lrs(arms, args.lr, args.lr_file)
     args.eval_size = args.eval_size or len(arithmetic.TEST)
     order = {seed: rotated(arms, k) for k, seed in enumerate(args.seeds)}
@@ -469,20 +492,26 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
     runs = run_all(specs, args.output)
     raw = {"args": _jsonable(args),
            "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
-           "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE}
-    write_report(args.output, "Learning speed: tracetrain vs TRL GRPOTrainer", _command(), pairings, runs, LABELS,
-                 lrs, args.threshold, _settings_notes(args, runs, order), raw)
+           "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
+    write_report(args.results_dir, HEADING, _command(), pairings, runs, LABELS, lrs, args.threshold,
+                 _settings_notes(args, runs, order), raw, started)
 
 
 def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes re-read from
-    the policies in its store (bench/out/learning_speed/<output>/<run>/store.db) when it is still there."""
+    the policies in its store (bench/out/learning_speed/learning_speed/<run>/store.db) when it is still there.
+    The runs' own provenance is kept; a JSON from before provenance was recorded says so instead."""
     from sqlmodel import Session
 
     from tracetrain.store import queries
     from tracetrain.store.db import open_engine
 
-    raw = json.loads((RESULTS_DIR / f"{args.output}.json").read_text())
+    document = json.loads((RESULTS_DIR / "learning_speed.json").read_text())
+    started = run_started()
+    info = document.get("provenance") or {
+        **provenance(started), "note": "re-rendered with --from-json from runs whose provenance was not recorded; "
+                                       "git, machine and times here are the re-render's"}
+    raw = document.get("raw", document)
     runs = [ArmRun.from_json(r) for r in raw["runs"]]
     reread = 0
     for run in runs:
@@ -500,8 +529,8 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     command = f"python -m bench.learning_speed --minutes {saved.minutes:g}"
     notes = [*_settings_notes(saved, runs, order),
              f"report re-rendered with --from-json; step sizes of {reread} tracetrain runs re-read from their stores"]
-    write_report(args.output, "Learning speed: tracetrain vs TRL GRPOTrainer", command, pairings, runs, LABELS, lrs,
-                 raw["threshold"], notes, {k: v for k, v in raw.items() if k != "runs"})
+    write_report(args.results_dir, HEADING, command, pairings, runs, LABELS, lrs, raw["threshold"], notes,
+                 {k: v for k, v in raw.items() if k != "runs"}, started, info)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -522,15 +551,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr-file", type=Path, default=LR_FILE, help="the --select-lr result to read lrs from")
     parser.add_argument("--select-lr", nargs="+", type=float, metavar="LR",
                         help=f"instead of measuring: run every arm at each lr (seed {LR_SEED}, validation split) and "
-                             "write the best per arm to bench/results/<output>.{md,json}")
-    parser.add_argument("--output", default=None,
-                        help="results name under bench/results/ (default learning_speed; learning_speed_lr with "
-                             "--select-lr)")
+                             f"write the best per arm to {LR_FILE.relative_to(REPO_ROOT)}")
     parser.add_argument("--from-json", action="store_true",
-                        help="re-render bench/results/<output>.{md,png,json} from its JSON, no runs")
+                        help="re-render bench/results/learning_speed.{md,json,png} from its JSON, no runs")
+    add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)
-    args.output = args.output or ("learning_speed_lr" if args.select_lr else "learning_speed")
+    # the runs' scratch directories under bench/out/learning_speed/
+    args.output = "learning_speed_lr" if args.select_lr else "learning_speed"
     pairings = [PAIRINGS[p] for p in dict.fromkeys(args.pairings)]
     if args.from_json:
         rerender(args, pairings)

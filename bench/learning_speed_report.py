@@ -6,14 +6,15 @@ fixed before any run) in `bench.learning_speed.METRICS`; the functions below com
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, RESULTS_DIR, ResultTable, console, write_results
+from bench.common import ResultTable, RunStart, console, write_results
+
+NAME = "learning_speed"
 
 Pairing = tuple[str, str, Sequence[str]]
 """(key, title, arm keys): the arms of one comparison, tracetrain's first."""
@@ -330,47 +331,51 @@ def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels
     plt.close(fig)
 
 
-def write_report(name: str, heading: str, command: str, pairings: Sequence[Pairing], runs: Sequence[ArmRun],
-                 labels: dict[str, str], lrs: dict[str, tuple[float, str]], threshold: float,
-                 notes: Sequence[str], raw: dict[str, Any]) -> Path:
-    """`bench/results/<name>.{md,png,json}`: per pairing a summary and a per-step table, every run, notes."""
+def write_report(results_dir: Path, heading: str, command: str, pairings: Sequence[Pairing],
+                 runs: Sequence[ArmRun], labels: dict[str, str], lrs: dict[str, tuple[float, str]], threshold: float,
+                 notes: Sequence[str], raw: dict[str, Any], started: RunStart,
+                 info: dict[str, Any] | None = None) -> Path:
+    """`<results_dir>/learning_speed.{md,json,png}`: per pairing a summary and a per-step table, every run, the
+    lr selection the learning rates came from (when `raw` holds it), notes."""
     tables = []
     for key, title, arms in pairings:
         tables.append(summary_table(f"{key} — {title}", arms, runs, labels, lrs, threshold))
         tables.append(step_table(f"{key}: held-out reward per optimizer step, mean (min-max) over seeds", arms, runs,
                                  labels))
     tables.append(runs_table(runs, labels, threshold))
+    selection = raw.get("lr_selection")
+    if selection:
+        tables += [ResultTable(**{**record, "title": f"lr selection: {record['title']}"})
+                   for record in selection.get("tables", [])]
     for table in tables:
         console.print(table.rich())
     verdict = [line for p in pairings for line in verdicts(p, runs, labels, threshold)]
     for line in verdict:
         console.print(line, highlight=False)
-    png, raw_path = RESULTS_DIR / f"{name}.png", RESULTS_DIR / f"{name}.json"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    png = results_dir / f"{NAME}.png"
     plot(png, pairings, runs, labels, threshold, heading)
-    raw_path.write_text(json.dumps({**raw, "runs": [asdict(r) for r in runs]}, indent=1))
     lr_notes = [f"lr of {labels[arm]}: {lr:g} ({source})" for arm, (lr, source) in lrs.items()]
-    path = write_results(name, heading, command, tables,
-                         [*verdict, *lr_notes, *notes, f"plot: `{png.relative_to(REPO_ROOT)}`, raw: "
-                                                       f"`{raw_path.relative_to(REPO_ROOT)}`"])
-    console.print(f"results: {path}, {png}, {raw_path}")
+    path = write_results(NAME, heading, command, tables, [*verdict, *lr_notes, *notes, f"plot: `{png.name}`"],
+                         raw={**raw, "runs": [asdict(r) for r in runs]}, started=started, results_dir=results_dir,
+                         info=info)
+    console.print(f"results: {path}, {png}")
     return path
 
 
-def write_lr_report(name: str, command: str, runs: Sequence[ArmRun], labels: dict[str, str],
-                    notes: Sequence[str], raw: dict[str, Any]) -> dict[str, float]:
-    """`bench/results/<name>.{md,json}` for `--select-lr`; returns the chosen lr per arm."""
+def write_lr_report(results_dir: Path, command: str, runs: Sequence[ArmRun], labels: dict[str, str],
+                    notes: Sequence[str], raw: dict[str, Any], started: RunStart) -> dict[str, float]:
+    """`<results_dir>/learning_speed_lr.{md,json}` for `--select-lr`, the input of the measured runs (which
+    copy it into their own results); returns the chosen lr per arm."""
     chosen = pick_lrs(runs)
     table = ResultTable("learning rate per arm, chosen by validation AUC",
                         ["arm", "lr", "validation AUC", "final validation reward", "opt. steps", "chosen"])
     for r in sorted(runs, key=lambda r: (r.arm, r.lr)):
         table.add(labels[r.arm], f"{r.lr:g}", _f(auc(r)), _f(final(r)), r.steps, "yes" if chosen[r.arm] == r.lr else "")
     console.print(table.rich())
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    raw_path = RESULTS_DIR / f"{name}.json"
-    raw_path.write_text(json.dumps({**raw, "chosen": chosen, "runs": [asdict(r) for r in runs]}, indent=1))
-    path = write_results(name, "Learning speed: learning rate per arm (validation split)", command, [table],
-                         [*[f"{labels[a]}: lr {lr:g}" for a, lr in chosen.items()], *notes,
-                          f"raw: `{raw_path.relative_to(REPO_ROOT)}`"])
-    console.print(f"results: {path}, {raw_path}")
+    path = write_results(f"{NAME}_lr", "Learning speed: learning rate per arm (validation split)", command, [table],
+                         [*[f"{labels[a]}: lr {lr:g}" for a, lr in chosen.items()], *notes],
+                         raw={**raw, "chosen": chosen, "runs": [asdict(r) for r in runs]}, started=started,
+                         results_dir=results_dir)
+    console.print(f"results: {path}")
     return chosen

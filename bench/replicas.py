@@ -1,9 +1,9 @@
 """Replicas behind the gateway on vLLM CPU: one vs two replicas, session affinity vs round-robin, and
 failover when a replica is SIGKILLed under load.
 
-    python -m bench.replicas                  # about 15 minutes on a 2-core CPU
+    python -m bench.replicas
     python -m bench.replicas --seconds 30 --repeats 1 --no-failover
-    python -m bench.replicas --system-words 20 --tool-words 120 --turns 8 --no-failover --name replicas_agentic
+    python -m bench.replicas --system-words 20 --tool-words 120 --turns 8 --no-failover   # agent-like
 
 Routing arms (each a fresh `tracetrain serve` with its own SQLite store, in front of the same two vLLM
 servers, run in rotated order, `--repeats` times): `1 replica`, `2 replicas sticky` (the default
@@ -41,7 +41,19 @@ from typing import Any
 import httpx
 from sqlmodel import Session, select
 
-from bench.common import OUT_DIR, ResultTable, ServerProcess, console, free_port, percentile, python_cmd, write_results
+from bench.common import (
+    OUT_DIR,
+    ResultTable,
+    ServerProcess,
+    add_results_dir_argument,
+    command_line,
+    console,
+    free_port,
+    percentile,
+    python_cmd,
+    run_started,
+    write_results,
+)
 
 MODEL = "smollm2"
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
@@ -163,7 +175,7 @@ def vllm_pid(port: int) -> int:
 ARMS = {"1 replica": 1, "2 replicas sticky": 2, "2 replicas round-robin": 2}
 
 
-def routing_arms(args: argparse.Namespace, table: ResultTable) -> None:
+def routing_arms(args: argparse.Namespace, table: ResultTable) -> dict[str, list[dict[str, float]]]:
     from tracetrain.engines.models import smollm2_dir
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
@@ -207,12 +219,13 @@ def routing_arms(args: argparse.Namespace, table: ResultTable) -> None:
                 return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
             table.add(arm, len(rows), cell("rps", ".2f"), cell("p50", ".0f"), cell("p99", ".0f"), cell("hit", ".1f"),
                       int(sum(r["failed"] for r in rows)))
+        return results
     finally:
         for server in servers:
             server.stop()
 
 
-def failover(args: argparse.Namespace, table: ResultTable) -> None:
+def failover(args: argparse.Namespace, table: ResultTable) -> dict[str, Any]:
     vllm_port = free_port()
     console.rule("failover: tracetrain serve --replicas 2, one SIGKILLed under load")
     gateway, db_url = start_gateway("failover", ["--replicas", "2", "--vllm-port", str(vllm_port),
@@ -241,10 +254,13 @@ def failover(args: argparse.Namespace, table: ResultTable) -> None:
         gateway.stop()
     table.add(len(load.answered) + load.failed + load.other, len(load.answered), load.failed, load.other, len(lost),
               "never" if back is None else f"{back:.0f}")
+    return {"answered": len(load.answered), "failed": load.failed, "other": load.other, "lost": sorted(lost),
+            "serving_again_after_s": back}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=60)
@@ -252,19 +268,20 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=260, help="words in each session's system prompt")
     parser.add_argument("--tool-words", type=int, default=0,
                         help="words of tool result in each user turn (agent-like growing history)")
-    parser.add_argument("--name", default="replicas", help="results file: bench/results/<name>.md")
     parser.add_argument("--no-failover", action="store_true")
-    args = parser.parse_args()
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    started = run_started()
     routing = ResultTable("Routing: mean (min-max) over repeats",
                           ["arm", "runs", "calls/s", "p50 ms", "p99 ms", "prefix-cache hit %", "failed"])
-    routing_arms(args, routing)
+    raw: dict[str, Any] = {"arguments": vars(args), "routing": routing_arms(args, routing)}
     tables = [routing]
     if not args.no_failover:
         kill = ResultTable("Failover: one of two replicas SIGKILLed under load",
                            ["calls", "answered", "failed (5xx)", "other errors", "lost", "serving again after s"],
                            right_align_from=0)
-        failover(args, kill)
+        raw["failover"] = failover(args, kill)
         tables.append(kill)
     for table in tables:
         console.print(table.rich())
@@ -276,10 +293,9 @@ def main() -> None:
              "2 cores: one vLLM CPU server computes on one core (vLLM's own binding); two replicas on one core "
              "each, sharing both with the gateway, their API processes and the load generator.",
              "lost: calls answered 200 whose completion id is not in the store (must be 0)."]
-    command = "python -m bench.replicas " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "no_failover")
-    command += " --no-failover" if args.no_failover else ""
-    path = write_results(args.name, "Replicas behind the gateway (vLLM CPU, SmolLM2-135M)", command, tables, notes)
+    path = write_results("replicas", "Replicas behind the gateway (vLLM CPU, SmolLM2-135M)",
+                         command_line("bench.replicas", argv), tables, notes, raw=raw, started=started,
+                         results_dir=args.results_dir)
     console.log(f"wrote {path}")
 
 

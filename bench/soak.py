@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import threading
 import time
@@ -32,19 +31,22 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from bench.apis import APIS
-from bench.client import Connection, HTTPFailure
 from bench.common import (
     OUT_DIR,
-    RESULTS_DIR,
     ResultTable,
+    RunStart,
     ServerProcess,
+    add_results_dir_argument,
+    command_line,
     console,
     free_port,
     percentile,
     python_cmd,
+    run_started,
     write_results,
 )
+from bench.gateway_overhead.apis import APIS
+from bench.gateway_overhead.client import Connection, HTTPFailure
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a calculator. Reply with the number only."
@@ -232,7 +234,8 @@ def plot(soak: Soak, window_s: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Namespace, command: str) -> None:
+def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Namespace, command: str,
+           started: RunStart) -> None:
     stored = stored_ids(db_url)
     lost = soak.answered - stored
     windows = ResultTable(f"Per {args.window_s / 60:g}-minute window",
@@ -283,13 +286,13 @@ def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Nam
         f"Publishes refused because a canary was still on trial: {refused} (retried the next minute).",
         f"Gateway RSS first / last / max: {rss[0]:.0f} / {rss[-1]:.0f} / {max(rss):.0f} MB; open fds first / last / "
         f"max: {fds[0]:.0f} / {fds[-1]:.0f} / {max(fds):.0f}." if rss else "no samples",
-        "Plot: `bench/results/soak.png`.",
+        "Plot: `soak.png`.",
     ]
+    raw = {"arguments": vars(args), "publishes": soak.publishes, "samples": soak.samples, "policies": policies,
+           "lost": sorted(lost), "calls": [[round(c.t, 3), c.status, round(c.latency_s, 4)] for c in soak.calls]}
     path = write_results("soak", "Soak: mixed agent load, a publish a minute, canary decisions", command,
-                         [total, windows, decisions], notes)
-    plot(soak, args.window_s, RESULTS_DIR / "soak.png")
-    (OUT_DIR / "soak.json").write_text(json.dumps({"publishes": soak.publishes, "samples": soak.samples,
-                                                   "policies": policies}, default=str))
+                         [total, windows, decisions], notes, raw=raw, started=started, results_dir=args.results_dir)
+    plot(soak, args.window_s, args.results_dir / "soak.png")
     for table in (total, windows, decisions):
         console.print(table.rich())
     console.print(f"wrote {path}")
@@ -299,8 +302,9 @@ def _f(value: Any) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--publish-every-s", type=float, default=60.0)
@@ -311,8 +315,10 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--window-s", type=float, default=180.0)
-    args = parser.parse_args()
-    command = "python -m bench.soak " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    command = command_line("bench.soak", argv)
+    started = run_started()
 
     from tracetrain.engines.models import smollm2_dir
 
@@ -349,7 +355,7 @@ def main() -> None:
         policies = httpx.get(f"{server.url}/v1/policies", timeout=30).json()
     finally:
         server.stop()
-    report(soak, policies, db_url, args, command)
+    report(soak, policies, db_url, args, command, started)
 
 
 if __name__ == "__main__":

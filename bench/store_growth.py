@@ -1,8 +1,8 @@
 """Store bytes per call against turn number for long sessions: what each call stores now (only the
 request messages it added) and what it stored before (the whole request, as tracetrain 0.1 did).
 
-    python -m bench.store_growth                   # about 1 minute
-    python -m bench.store_growth --turns 50 --sessions 3
+    python -m bench.store_growth
+    python -m bench.store_growth --turns 20 --sessions 1
 
 Agents send their whole history with every request. A gateway (`tracetrain serve`, in-process tiny
 model, 12-token replies) records `--sessions` conversations of `--turns` turns, each turn adding one
@@ -24,7 +24,18 @@ from typing import Any
 from openai import OpenAI
 from sqlmodel import Session
 
-from bench.common import OUT_DIR, ResultTable, ServerProcess, console, free_port, python_cmd, write_results
+from bench.common import (
+    OUT_DIR,
+    ResultTable,
+    ServerProcess,
+    add_results_dir_argument,
+    command_line,
+    console,
+    free_port,
+    python_cmd,
+    run_started,
+    write_results,
+)
 from tracetrain.engines.models import tiny_model_dir
 from tracetrain.store import queries
 from tracetrain.store.db import make_engine
@@ -46,11 +57,14 @@ def converse(base_url: str, session: str, turns: int) -> None:
         history.append(reply.choices[0].message.model_dump(exclude_none=True))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.store_growth", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=50)
     parser.add_argument("--sessions", type=int, default=3)
-    args = parser.parse_args()
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    started = run_started()
     out = OUT_DIR / "store_growth"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -92,8 +106,11 @@ def main() -> None:
              "the first call of a session and a call whose request rewrote earlier history (a new segment, no "
              "parent) store the whole request; after a gateway restart the parent's messages are read back from "
              "the store, so compaction carries on"]
-    command = f"python -m bench.store_growth --turns {args.turns} --sessions {args.sessions}"
-    path = write_results("store_growth", "Store bytes per call in long sessions", command, [table], notes)
+    raw = {"turns": args.turns, "sessions": args.sessions,
+           "bytes_by_turn": {turn: {"before": before[turn], "now": now[turn]} for turn in sorted(before)}}
+    command = command_line("bench.store_growth", argv)
+    path = write_results("store_growth", "Store bytes per call in long sessions", command, [table], notes,
+                         raw=raw, started=started, results_dir=args.results_dir)
     console.log(f"wrote {path}")
 
 

@@ -1,10 +1,11 @@
 """Committed calls per second through `StoreWriter`, the gateway's single group-commit writer.
 
 Submitters (asyncio tasks, as the gateway's requests are) each own one session and submit, one after
-another, the same write the chat route does: look the session up, add it if new or touch it, take the
-next `seq`, add a realistic `Call` row (500 prompt ids, 100 completion ids with logprobs, a short
-conversation as JSON), flush. Each submit returns once its transaction is committed, so the calls/s
-here bound the gateway's recorded calls/s, and the submit latency is what every answer waits for.
+another, the same write the chat route does (`queries.record_calls`): the session row added if new or
+touched, and a realistic `Call` row (500 prompt ids, 100 completion ids with logprobs, a short
+conversation as JSON) with its `seq` kept in memory, as the gateway keeps it. Each submit returns once
+its transaction is committed, so the calls/s here bound the gateway's recorded calls/s, and the submit
+latency is what every answer waits for.
 
 Stores: SQLite in WAL mode with `synchronous=FULL` (the default: survives power loss) and `NORMAL`
 (survives a killed process), both in a fresh file under the temporary directory; PostgreSQL in a
@@ -18,29 +19,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
-from bench.common import ResultTable, console, machine_line, percentile, write_results
+from bench.common import (
+    ResultTable,
+    add_results_dir_argument,
+    command_line,
+    console,
+    machine_line,
+    percentile,
+    run_started,
+    write_results,
+)
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine
-from tracetrain.store.models import AgentSession, Call, utcnow
-from tracetrain.store.writer import StoreWriter
+from tracetrain.store.models import AgentSession, Call
+from tracetrain.store.writer import StoreWriter, WriteOp
 
 STORES = {
     "sqlite-full": "SQLite WAL, synchronous=FULL",
@@ -108,29 +115,11 @@ class Rows:
         )
 
 
-def write_op(session_id: str, call: Call) -> Callable[[Session], None]:
-    """The chat route's earlier ORM write, kept for comparison: the session row (new or touched), the
-    next seq by query, the call, through the ORM unit of work."""
-
-    def write(db: Session) -> None:
-        session = db.get(AgentSession, session_id)
-        if session is None:
-            db.add(AgentSession(id=session_id, group_id="bench", owner=None))
-        else:
-            session.updated_at = utcnow()
-            db.add(session)
-        call.seq = queries.next_seq(db, session_id=session_id) if session is not None else 0
-        db.add(call)
-        db.flush()
-
-    return write
-
-
 _CALLS = Call.__table__  # type: ignore[attr-defined]
 _SESSIONS = AgentSession.__table__  # type: ignore[attr-defined]
 
 
-def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], None]:
+def core_write_op(session_id: str, call: Call, seq: int) -> WriteOp:
     """The serving core's write (`tracetrain.store.queries.record_calls`, called by proxy/serving.py
     `record`), with `seq` kept in memory by the gateway: two Core statements, no ORM unit of work, no reads."""
     row = {column.name: getattr(call, column.name) for column in _CALLS.columns}
@@ -139,13 +128,9 @@ def core_write_op(session_id: str, call: Call, seq: int) -> Callable[[Session], 
     return lambda db: queries.record_calls(db, session_id=session_id, new_session=new, rows=[row])
 
 
-WRITES = {"orm": "earlier ORM write", "core": "chat route's Core write"}
-
-
 @dataclass
 class Result:
     store: str
-    write: str
     concurrency: int
     committed: int
     seconds: float
@@ -164,7 +149,6 @@ class Result:
 async def measure(
     engine: Engine,
     store: str,
-    write: str,
     concurrency: int,
     seconds: float,
     warmup: float,
@@ -185,8 +169,7 @@ async def measure(
         while time.perf_counter() < stop_at:
             call = rows.call(session_id, n)
             started = time.perf_counter()
-            op = write_op(session_id, call) if write == "orm" else core_write_op(session_id, call, n)
-            await writer.submit(op)
+            await writer.submit(core_write_op(session_id, call, n))
             if window["open"]:
                 latencies.append(time.perf_counter() - started)
             n += 1
@@ -202,7 +185,7 @@ async def measure(
     ops1, batches1, t1 = writer.committed_ops, writer.batches, time.perf_counter()
     await asyncio.gather(*tasks)
     await writer.stop()
-    return Result(store, write, concurrency, ops1 - ops0, t1 - t0, batches1 - batches0, latencies)
+    return Result(store, concurrency, ops1 - ops0, t1 - t0, batches1 - batches0, latencies)
 
 
 @contextmanager
@@ -246,7 +229,6 @@ def _start_durable(cluster: Any) -> None:
 
 def run(
     stores: list[str],
-    writes: list[str],
     concurrencies: list[int],
     seconds: float,
     warmup: float,
@@ -263,19 +245,17 @@ def run(
     )
     try:
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task("", total=len(stores) * len(writes) * len(concurrencies))
+            task = progress.add_task("", total=len(stores) * len(concurrencies))
             for store in stores:
                 with _database_factory(store, tmp) as new_database:
-                    for write in writes:
-                        for c in concurrencies:
-                            progress.update(task, description=f"{STORES[store]} · {write} · {c} submitters")
-                            engine = new_database(f"{store.replace('-', '_')}_{write}_{c}")
-                            try:
-                                measured = measure(engine, store, write, c, seconds, warmup, shape, tag)
-                                results.append(asyncio.run(measured))
-                            finally:
-                                engine.dispose()
-                            progress.advance(task)
+                    for c in concurrencies:
+                        progress.update(task, description=f"{STORES[store]} · {c} submitters")
+                        engine = new_database(f"{store.replace('-', '_')}_{c}")
+                        try:
+                            results.append(asyncio.run(measure(engine, store, c, seconds, warmup, shape, tag)))
+                        finally:
+                            engine.dispose()
+                        progress.advance(task)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
@@ -296,12 +276,11 @@ def report(results: list[Result], shape: RowShape) -> ResultTable:
     table = ResultTable(
         f"StoreWriter: committed calls/s ({shape.prompt_ids} prompt ids, {shape.completion_ids} completion "
         "ids + logprobs per call)",
-        ["store", "write", "submitters", "calls/s", "mean batch", "submit p50 ms", "submit p99 ms", "calls"],
+        ["store", "submitters", "calls/s", "mean batch", "submit p50 ms", "submit p99 ms", "calls"],
     )
     for r in results:
         table.add(
             STORES[r.store],
-            r.write,
             r.concurrency,
             f"{r.rate:.0f}",
             f"{r.mean_batch:.1f}",
@@ -320,15 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--stores", default=",".join(STORES), help=f"comma-separated of {', '.join(STORES)}")
     parser.add_argument(
-        "--writes", default="orm,core", help="core (the chat route's write), orm (the earlier ORM write), or both"
-    )
-    parser.add_argument(
         "--concurrency", default="1,16,256", help="submitters, comma-separated (default 1,16,256)"
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per config (default 4)")
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds first (default 0.5)")
     parser.add_argument("--prompt-ids", type=int, default=500)
     parser.add_argument("--completion-ids", type=int, default=100)
+    add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     stores = [s for s in args.stores.split(",") if s]
     unknown = set(stores) - set(STORES)
@@ -341,10 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     shape = RowShape(args.prompt_ids, args.completion_ids)
     console.rule("[bold]store throughput")
     console.print(machine_line())
-    writes = [w for w in args.writes.split(",") if w]
-    if set(writes) - set(WRITES):
-        parser.error(f"--writes takes {', '.join(WRITES)}")
-    results = run(stores, writes, concurrencies, args.seconds, args.warmup, shape)
+    started = run_started()
+    results = run(stores, concurrencies, args.seconds, args.warmup, shape)
     table = report(results, shape)
     console.print(table.rich())
     notes = [
@@ -352,12 +327,16 @@ def main(argv: list[str] | None = None) -> None:
         "each submitter owns one session: its first write creates it, later ones touch it and take the "
         "next seq",
         "submit latency = from submit() to the commit that contains it; mean batch = ops per transaction",
-        "write core = the chat route's write (two Core statements per op, seq kept in memory); "
-        "orm = the earlier ORM write (session get, next_seq query, ORM add + flush per op), for comparison",
+        "each op is the chat route's write (`queries.record_calls`: two Core statements, seq kept in memory)",
         f"files under {tempfile.gettempdir()}; one machine with shared cores: compare rows, not machines",
     ]
-    command = " ".join(["python -m bench.store_throughput", *map(shlex.quote, argv or sys.argv[1:])])
-    path = write_results("store_throughput", "Store throughput", command, [table], notes)
+    raw = {"shape": asdict(shape), "stores": STORES,
+           "results": [{"store": r.store, "concurrency": r.concurrency, "committed": r.committed,
+                        "seconds": r.seconds, "batches": r.batches, "calls_per_s": r.rate,
+                        "submit_ms": {f"p{q}": percentile(r.latencies, q) * 1000 for q in (50, 90, 99)}}
+                       for r in results]}
+    path = write_results("store_throughput", "Store throughput", command_line("bench.store_throughput", argv), [table],
+                         notes, raw=raw, started=started, results_dir=args.results_dir)
     console.print(f"written to {path}")
 
 

@@ -26,11 +26,10 @@ import asyncio
 import copy
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,17 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.common import OUT_DIR, ResultTable, console, machine_line, percentile, write_results
+from bench.common import (
+    OUT_DIR,
+    ResultTable,
+    add_results_dir_argument,
+    command_line,
+    console,
+    machine_line,
+    percentile,
+    run_started,
+    write_results,
+)
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.models import smollm2_dir
 from tracetrain.engines.publishing import Checkpoint, Publisher
@@ -363,7 +372,8 @@ def table(results: list[PathResult], versions: Versions) -> ResultTable:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.swap_latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--swaps", type=int, default=3, help="swaps per path")
     p.add_argument("--load", type=int, default=2, help="concurrent streaming clients during the swaps")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per load request")
@@ -371,6 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gap", type=float, default=2.0, help="seconds between swaps")
     p.add_argument("--skip-vllm", action="store_true", help="only the in-process engine")
     p.add_argument("--skip-in-process", action="store_true", help="only vLLM")
+    add_results_dir_argument(p)
     return p
 
 
@@ -414,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = _parser().parse_args(argv)
     console.print(machine_line())
+    started = run_started()
     results, result_table = asyncio.run(run(args))
     console.print(result_table.rich())
     notes = list(NOTES)
@@ -425,8 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     errors = [e for r in results for e in r.load.errors]
     if errors:
         notes.append(f"errors: {errors[:5]}")
-    command = ("python -m bench.swap_latency " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    path = write_results("swap_latency", "Swap latency", command, [result_table], notes)
+    raw = {"arguments": vars(args), "paths": [asdict(r) for r in results]}
+    path = write_results("swap_latency", "Swap latency", command_line("bench.swap_latency", argv), [result_table],
+                         notes, raw=raw, started=started, results_dir=args.results_dir)
     console.print(f"written to {path}")
 
 

@@ -1,7 +1,13 @@
-"""Trainer throughput and model FLOPs utilisation (MFU) on SmolLM2-135M, full fine-tuning and LoRA.
+"""Trainer throughput on SmolLM2-135M (fp32), full fine-tuning and LoRA r16, in two parts:
 
-    python -m bench.trainer_throughput                 # about 5-8 minutes on a 2-core CPU
-    python -m bench.trainer_throughput --shapes 32x48+16 --steps 2
+- `mfu`: tokens/s and model FLOPs utilisation of the trainer's own `train_step` in this process;
+- `backends`: the `local` backend against `fsdp` with 1 and 2 workers (Ray actors), each arm in a fresh
+  process: tokens/s, parameter + optimizer bytes per worker (what FSDP exists to shrink), peak resident
+  memory per worker, and FSDP's start-up (Ray, the workers, the process group).
+
+    python -m bench.trainer_throughput                       # both parts
+    python -m bench.trainer_throughput --parts mfu --shapes 32x48+16 --steps 2
+    python -m bench.trainer_throughput --parts backends --repeats 1 --arms fsdp-2
 
 MFU is given against two peaks:
 - the theoretical fp32 peak of the CPU: cores x clock x fp32 FLOPs per cycle per core, each factor
@@ -10,8 +16,8 @@ MFU is given against two peaks:
 - the measured GEMM rate: the best fp32 matmul rate torch reaches (square and model-shaped GEMMs,
   all of torch's threads), re-measured right before each configuration, so a machine that got busier
   or cooler in between shows in that row's peak, not in its MFU.
-Each configuration runs the trainer's own `train_step` (GRPO advantages given, vanilla PPO-clip loss,
-fused AdamW) on synthetic samples of the given shape: B sequences of P prompt tokens + C sampled tokens.
+Each configuration runs `train_step` (GRPO advantages given, vanilla PPO-clip loss, fused AdamW) on
+synthetic samples of the given shape: B sequences of P prompt tokens + C sampled tokens.
 
 Model FLOPs per step, counted the usual way (weights only, plus attention scores):
 - forward = 2 x (non-embedding parameters) x all tokens + 2 x hidden x vocab x sampled tokens (the
@@ -21,20 +27,37 @@ Model FLOPs per step, counted the usual way (weights only, plus attention scores
 - LoRA: 2 x forward (activation gradients still flow through every frozen weight, weight gradients
   are only the adapters', which are ignored here).
 MFU = model FLOPs per second / peak. Optimizer time is inside the step, as in real training.
+
+The backends part runs every arm on the same synthetic batch (seed 0), optimizer settings and
+micro-batch budget, arms interleaved and the whole set repeated `--repeats` times, the order rotated.
+With fewer cores than workers need, throughput cannot scale with workers: two workers share the cores
+one local step uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bench.common import ResultTable, console, write_results
+from bench.common import (
+    ResultTable,
+    add_results_dir_argument,
+    command_line,
+    console,
+    run_started,
+    write_results,
+)
 from tracetrain.config import TrainConfig
 from tracetrain.engines.models import smollm2_dir
 from tracetrain.trainer.checkpoint import build_model
@@ -149,7 +172,8 @@ def model_flops(model: torch.nn.Module, shape: Shape, lora: bool) -> float:
     return forward * (2 if lora else 3)
 
 
-def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: TrainConfig) -> list[object]:
+def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: TrainConfig) -> dict[str, Any]:
+    """One configuration of the mfu part: its figures, and the table row made of them."""
     cfg = cfg_base.model_copy(update={"lora": lora})
     torch.manual_seed(0)
     model = build_model(smollm2_dir(), cfg)
@@ -171,20 +195,21 @@ def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: 
     tokens = shape.batch * (shape.prompt + shape.completion)
     flops = model_flops(model, shape, lora)
     achieved = flops / seconds
-    return [f"LoRA r{cfg.lora_rank}" if lora else "full", str(shape), f"{sum(p.numel() for p in trainable) / 1e6:.1f}M",
-            f"{seconds:.2f}", f"{tokens / seconds:.0f}", f"{shape.batch * shape.completion / seconds:.0f}",
-            f"{achieved / 1e9:.1f}", f"{peak / 1e9:.1f}", f"{100 * achieved / peak:.1f}%",
-            f"{100 * achieved / theoretical:.1f}%"]
+    trainable_params = sum(p.numel() for p in trainable)
+    figures: dict[str, Any] = {
+        "mode": f"LoRA r{cfg.lora_rank}" if lora else "full", "shape": str(shape),
+        "trainable_params": trainable_params, "step_s": seconds,
+        "tokens_per_s": tokens / seconds, "sampled_tokens_per_s": shape.batch * shape.completion / seconds,
+        "model_flops_per_s": achieved, "gemm_peak_flops_per_s": peak, "gemm_peak_shape": where,
+        "mfu_vs_gemm": achieved / peak, "mfu_vs_theoretical": achieved / theoretical, "step_times_s": times,
+    }
+    figures["row"] = [figures["mode"], str(shape), f"{trainable_params / 1e6:.1f}M", f"{seconds:.2f}",
+                      f"{tokens / seconds:.0f}", f"{figures['sampled_tokens_per_s']:.0f}", f"{achieved / 1e9:.1f}",
+                      f"{peak / 1e9:.1f}", f"{100 * achieved / peak:.1f}%", f"{100 * achieved / theoretical:.1f}%"]
+    return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["32x48+16", "8x384+128"],
-                        help="BxP+C: B sequences of P prompt and C sampled tokens")
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (median kept)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
-    parser.add_argument("--clock-ghz", type=float, help="clock of the theoretical peak (see theoretical_peak)")
-    args = parser.parse_args()
+def mfu_part(args: argparse.Namespace) -> tuple[ResultTable, list[str], dict[str, Any]]:
     shapes = [Shape.parse(s) for s in args.shapes]
     cfg = TrainConfig(micro_batch_tokens=args.micro_batch_tokens, lora_rank=16, lora_alpha=32)
     theoretical = theoretical_peak(args.clock_ghz)
@@ -193,17 +218,157 @@ def main() -> None:
                         f"{theoretical.flops / 1e9:.1f} GFLOP/s",
                         ["mode", "shape", "trainable", "s/step", "tokens/s", "sampled tok/s", "GFLOP/s",
                          "GEMM peak GFLOP/s", "MFU vs GEMM", "MFU vs theoretical"], right_align_from=2)
+    runs = []
     for lora in (False, True):
         for shape in shapes:
-            table.add(*measure(lora, shape, args.steps, theoretical.flops, cfg))
-    console.print(table.rich())
+            figures = measure(lora, shape, args.steps, theoretical.flops, cfg)
+            table.add(*figures.pop("row"))
+            runs.append(figures)
     notes = [f"theoretical peak: {theoretical.derivation}",
              "GEMM peak: best fp32 matmul rate over 1024^3, 2048^3 and two model-shaped GEMMs, measured right "
              "before each row (the row's own figure).",
              "tokens/s counts every token of the batch (prompt and sampled); sampled tok/s only the trained ones.",
              "FLOP counts and the LoRA approximation are described in the script's docstring."]
-    command = "python -m bench.trainer_throughput" + (f" --clock-ghz {args.clock_ghz:g}" if args.clock_ghz else "")
-    path = write_results("trainer_throughput", "Trainer throughput and MFU", command, [table], notes)
+    return table, notes, {"theoretical_peak": {"flops": theoretical.flops, "derivation": theoretical.derivation},
+                          "runs": runs}
+
+
+# ---------------------------------------------------------------- backends: local against FSDP2
+
+ARMS = ["local", "fsdp-1", "fsdp-2"]
+MODES = ["full", "lora"]
+
+
+def run_one(arm: str, mode: str, shape: Shape, steps: int, micro: int) -> dict[str, Any]:
+    """One arm in this process (`--one`): build the backend, step `steps + 1` times, report."""
+    from tracetrain.trainer.backend import StepBatch, make_backend
+    from tracetrain.trainer.memory import figures as memory_figures
+
+    workers = 1 if arm == "local" else int(arm.split("-")[1])
+    cfg = TrainConfig(backend="local" if arm == "local" else "fsdp", workers=workers, lora=mode == "lora",
+                      lora_rank=16, lora_alpha=32, lr=1e-5 if mode == "full" else 2e-4, micro_batch_tokens=micro,
+                      device="cpu")
+    rng = random.Random(0)
+    length = shape.prompt + shape.completion
+    samples = [Sample(f"s{i}", f"g{i // 8}", [rng.randrange(10, 49000) for _ in range(length)],
+                      [0] * shape.prompt + [1] * shape.completion, [0.0] * shape.prompt + [-1.0] * shape.completion,
+                      [0] * length, rng.random()) for i in range(shape.batch)]
+    advantages = [s.reward - 0.5 for s in samples]
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    backend = make_backend(cfg, smollm2_dir(), None)
+    startup = time.perf_counter() - started
+    rates, memory = [], []
+    try:
+        for step in range(steps + 1):  # the first step warms up; not counted
+            figures = backend.step(StepBatch(samples, advantages))
+            if step:
+                rates.append(figures["tokens_per_second"])
+            memory = figures["memory"]
+            console.log(f"{arm} {mode}: step {step}/{steps} {figures['step_seconds']:.1f} s, "
+                        f"{figures['tokens_per_second']:.0f} tok/s")
+    finally:
+        backend.close()
+    if arm == "local":  # this process is the worker: its own figures, after the steps
+        memory = [memory_figures(backend.model, backend.optimizer, "cpu")]  # type: ignore[attr-defined]
+    return {"arm": arm, "mode": mode, "tokens_per_second": statistics.median(rates), "startup_s": startup,
+            "memory": memory, "ray_s": figures.get("ray_s"), "workers_s": figures.get("workers_s"),
+            "process_group_s": figures.get("process_group_s")}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f}"
+
+
+def _spread(values: list[float], fmt: str = ".0f") -> str:
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.fmean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def backends_part(args: argparse.Namespace) -> tuple[ResultTable, list[str], dict[str, Any]]:
+    """Every arm in a fresh process, so that peak memory is the arm's own."""
+    plan = [(arm, mode) for mode in args.modes for arm in args.arms]
+    runs = []
+    for repeat in range(args.repeats):
+        for arm, mode in plan[repeat % len(plan):] + plan[:repeat % len(plan)]:
+            console.rule(f"repeat {repeat}: {arm} {mode}")
+            out = subprocess.run([sys.executable, "-m", "bench.trainer_throughput", "--one", arm, mode,
+                                  "--shape", args.shape, "--steps", str(args.steps),
+                                  "--micro-batch-tokens", str(args.backend_micro_batch_tokens)],
+                                 capture_output=True, text=True, check=False)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                console.print(out.stdout[-3000:], out.stderr[-3000:])
+                raise SystemExit(f"{arm} {mode} failed ({out.returncode})")
+            runs.append(json.loads(lines[-1].removeprefix("RESULT ")))
+            console.log(f"{arm} {mode}: {runs[-1]['tokens_per_second']:.0f} tok/s")
+    table = ResultTable(f"Backends, {Shape.parse(args.shape)} per step: mean (min-max) over repeats",
+                        ["mode", "arm", "runs", "tokens/s", "params + optimizer per worker MiB", "vs local",
+                         "peak RSS per worker MiB", "Ray start s", "workers ready s", "process group s"],
+                        right_align_from=2)
+    for mode in MODES:
+        local = [sum(m["param_bytes"] + m["optimizer_bytes"] for m in r["memory"][:1])
+                 for r in runs if r["arm"] == "local" and r["mode"] == mode]
+        for arm in ARMS:
+            mine = [r for r in runs if r["arm"] == arm and r["mode"] == mode]
+            if not mine:
+                continue
+            state = max(m["param_bytes"] + m["optimizer_bytes"] for r in mine for m in r["memory"])
+            peak = [m["peak_bytes"] / 2**20 for r in mine for m in r["memory"]]
+            fsdp = arm != "local"
+            table.add(mode, arm, len(mine), _spread([r["tokens_per_second"] for r in mine]), _mib(state),
+                      f"{state / local[0]:.2f}x" if local else "-", _spread(peak),
+                      _spread([r["ray_s"] for r in mine], ".1f") if fsdp else "-",
+                      _spread([r["workers_s"] for r in mine], ".1f") if fsdp else "-",
+                      _spread([r["process_group_s"] for r in mine], ".2f") if fsdp else "-")
+    notes = ["params + optimizer: bytes of the tensors each worker holds (its FSDP shard), parameters trainable "
+             "and frozen, AdamW moments; the largest worker's. LoRA's frozen base is sharded too.",
+             "peak RSS: the worker process's peak resident memory (the bench process itself for local), imports "
+             "and the Ray worker runtime included.",
+             "Ray start: ray.init of a local Ray; workers ready: actor processes started, torch imported, the model "
+             "built and sharded; process group: gloo rendezvous inside that.",
+             f"{os.cpu_count()} cores: with fewer cores than the workers' steps would use, tokens/s cannot rise with "
+             "workers."]
+    return table, notes, {"runs": runs}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer_throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="mfu,backends", help="comma-separated of mfu, backends")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration, after one warm-up")
+    parser.add_argument("--shapes", nargs="+", default=["32x48+16", "8x384+128"],
+                        help="mfu: BxP+C, B sequences of P prompt and C sampled tokens")
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048, help="mfu: the trainer's micro-batch budget")
+    parser.add_argument("--clock-ghz", type=float, help="mfu: clock of the theoretical peak (see theoretical_peak)")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS, help="backends: the arms")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES, help="backends: full, lora or both")
+    parser.add_argument("--repeats", type=int, default=2, help="backends: rounds over the arms")
+    parser.add_argument("--shape", default="16x48+16", help="backends: BxP+C of the one batch every arm steps on")
+    parser.add_argument("--backend-micro-batch-tokens", type=int, default=1024,
+                        help="backends: the micro-batch budget")
+    parser.add_argument("--one", nargs=2, metavar=("ARM", "MODE"), help=argparse.SUPPRESS)
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    if args.one:
+        figures = run_one(args.one[0], args.one[1], Shape.parse(args.shape), args.steps, args.micro_batch_tokens)
+        print("RESULT " + json.dumps(figures))
+        return
+    parts = [p for p in args.parts.split(",") if p]
+    if unknown := set(parts) - {"mfu", "backends"}:
+        parser.error(f"--parts: unknown {sorted(unknown)}")
+    started = run_started()
+    tables, notes, raw = [], [], {}
+    for part, run in (("mfu", mfu_part), ("backends", backends_part)):
+        if part in parts:
+            table, part_notes, raw[part] = run(args)
+            console.print(table.rich())
+            tables.append(table)
+            notes += [f"{part}: {n}" for n in part_notes]
+    path = write_results("trainer_throughput", "Trainer throughput, MFU and backends",
+                         command_line("bench.trainer_throughput", argv), tables, notes, raw=raw, started=started,
+                         results_dir=args.results_dir)
     console.log(f"wrote {path}")
 
 

@@ -38,7 +38,8 @@ class TrainConfig(BaseModel):
     advantage: str = "rloo"
     """verl advantage estimator: rloo, grpo, reinforce_plus_plus, remax, ... Groups of one always use
     the running baseline. rloo by default: grpo divides by each group's reward spread, which turns tiny
-    differences among all-wrong answers into full-size advantages (bench/results/demo_seeds_grpo.md)."""
+    differences among all-wrong answers into full-size advantages (bench/results/demo_seeds_grpo.md,
+    in git history at af20f58)."""
     policy_loss: str = "vanilla"
     """verl policy loss: vanilla (PPO-clip), gspo, cispo, sapo, clip_cov, ... or a registered one."""
     loss_agg_mode: str = "token-mean"

@@ -109,8 +109,11 @@ def test_collect_summarises_the_returned_files(dry_run: tuple[Path, str], tmp_pa
                            str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert "gpu_check.md" in done.stdout
     combined = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [p["part"] for p in combined["parts"]] == [1, 2, 3]
-    assert "## Part 2:" in (tmp_path / "gpu_check.md").read_text()
+    assert [p["part"] for p in combined["raw"]["parts"]] == [1, 2, 3]
+    # bench.common's writer, with the device run's provenance rather than the collecting machine's
+    assert combined["provenance"]["git_sha"] == "0123abc"
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "## Part 2:" in markdown and "git 0123abc" in markdown
 
 
 def test_the_flop_count_follows_the_stated_formula() -> None:

@@ -50,7 +50,8 @@ one earlier run at 4e-4 the held-out reward peaked after about 30 versions and t
 the agent's partial credit lets a constant answer ("30" to every sum) earn 0.34, more than the base
 model, and grpo's division by each group's reward spread turns the tiny differences among all-wrong
 answers into full-size advantages; over three seeds one grpo run settled on a handful of constant
-answers (bench/results/demo_seeds_grpo.md), none of the rloo runs did (bench/results/demo_seeds.md)."""
+answers (bench/results/demo_seeds_grpo.md, in git history at af20f58), none of the rloo runs did
+(bench/results/demo_seeds.md)."""
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:

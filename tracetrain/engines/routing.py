@@ -2,7 +2,7 @@
 
 A session's later calls repeat its earlier prompt, which the replica that served it holds in its
 prefix cache; sending them elsewhere recomputes the whole prefix (prime-rl reported the cache hit rate
-collapsing without affinity; bench/results/replicas_agentic.md has ours). So:
+collapsing without affinity; bench/results/replicas.md compares sticky and round-robin here). So:
 
 - a session goes back to the replica that served its previous call (`sticky`);
 - a new session goes where its group already is (`group`: GRPO siblings share a prompt), else to the

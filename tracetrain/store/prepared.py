@@ -3,7 +3,7 @@
 The gateway writes one session row and one call row per request and reads one session row per new
 session. Through SQLAlchemy's `Connection.execute` each statement costs a cache-key walk, an execution
 context and result set-up, which on SQLite took more of the writer's CPU than the SQL itself
-(bench/commit_cost.py measures a recorded call). Here the
+(bench/commit_cost.py, in git history at af20f58). Here the
 SQL string and the bind processors come from SQLAlchemy's own compiler and types, once; each execution
 only runs those processors and hands the values to the driver, inside the caller's transaction.
 """

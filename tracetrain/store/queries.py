@@ -104,11 +104,6 @@ def has_chained_child(db: Session, *, call_id: str, session_id: str) -> bool:
     return db.exec(query.limit(1)).first() is not None
 
 
-def next_seq(db: Session, *, session_id: str) -> int:
-    current = db.exec(select(func.max(Call.seq)).where(Call.session_id == session_id)).one()
-    return 0 if current is None else int(current) + 1
-
-
 def reward_by_key(db: Session, *, session_id: str, idempotency_key: str) -> Reward | None:
     query = select(Reward).where(Reward.session_id == session_id, Reward.idempotency_key == idempotency_key)
     return db.exec(query).first()

@@ -20,7 +20,7 @@ waits for the loop (the gateway: one HTTP request in progress, the one being rec
 has to be waited for: the file lock is taken without blocking and SQLite is asked for its write lock with
 a busy timeout of 0. Either held elsewhere, the batch goes to the thread, which waits for them. Alone,
 the hop to the thread and back, and the GIL passing between them, cost more CPU than the commit; under
-concurrency the thread keeps the loop serving while one batch fsyncs (bench/gateway_overhead.py measures
+concurrency the thread keeps the loop serving while one batch fsyncs (bench/gateway_overhead measures
 both).
 """
 

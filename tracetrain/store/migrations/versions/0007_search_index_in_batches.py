@@ -3,7 +3,8 @@
 Inserting one call's text into the FTS5 trigram index inside the call's own transaction was a third
 to more than half of the gateway writer's CPU per call: FTS5 writes its pending terms out at every commit, so a few
 hundred calls to a transaction cost far less per call than one or sixteen
-(`bench/results/search_index_cost.md`). So the insert trigger goes; `call_search_state.indexed_rowid`
+(`bench/results/search_index_cost.md`, in git history at af20f58). So the insert trigger goes;
+`call_search_state.indexed_rowid`
 marks how far (by the rowid of `calls`) the index goes, the gateway indexes the calls after it in
 batches (store/search_index.py), and a search scans the few calls past the mark, so that its answers
 stay exact. The delete and update triggers stay: they act on indexed calls only.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.client import HTTPFailure, Reply
+from bench.gateway_overhead.client import HTTPFailure, Reply
 
 Turn = tuple[str, str]
 """(role, text): role is `user` or `assistant`."""

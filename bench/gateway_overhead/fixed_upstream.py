@@ -14,14 +14,13 @@ chunks are pre-serialized per answer length and only the request id, timestamp a
 spliced in. `max_tokens` below K truncates the answer (finish_reason `length`); `--token-delay-ms`
 adds a pause per token to stand in for a slower engine.
 
-    python -m bench.fixed_upstream --port 8199 [--workers 2] [--answer answer.json]
+    python -m bench.gateway_overhead.fixed_upstream --port 8199 [--workers 2] [--answer answer.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import os
 import time
 import uuid
@@ -31,185 +30,19 @@ from typing import Any
 
 import orjson
 
+from bench.gateway_overhead.fixed_answer import FINAL_TAIL, FINGERPRINT, Answer, Renderer, chunk_head, usage_json
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 CONFIG_ENV = "BENCH_UPSTREAM_CONFIG"
-LOGPROB = -0.25
-
-DEFAULT_WORDS = "The quick brown fox jumps over the lazy dog while the old cat watches it from the"
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The fixed completion: per token its id, the text it adds and its token string."""
-
-    token_ids: tuple[int, ...]
-    pieces: tuple[str, ...]
-    """Text each token adds to the answer ('' for the EOS, which vLLM skips in `text`)."""
-    tokens: tuple[str, ...]
-    """The token as vLLM names it in `logprobs.tokens` (the EOS keeps its name, e.g. `<|im_end|>`)."""
-    ends_with_eos: bool = True
-
-    @classmethod
-    def default(cls) -> Answer:
-        words = DEFAULT_WORDS.split()[:15]
-        pieces = tuple((" " if i else "") + w for i, w in enumerate(words)) + ("",)
-        tokens = pieces[:-1] + ("<|im_end|>",)
-        return cls(tuple(range(1000, 1000 + len(words))) + (2,), pieces, tokens, True)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Answer:
-        return cls(
-            tuple(data["token_ids"]),
-            tuple(data["pieces"]),
-            tuple(data.get("tokens") or data["pieces"]),
-            bool(data.get("ends_with_eos", True)),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "token_ids": list(self.token_ids),
-            "pieces": list(self.pieces),
-            "tokens": list(self.tokens),
-            "ends_with_eos": self.ends_with_eos,
-        }
-
-    def finish(self, n: int) -> str:
-        return "stop" if n == len(self.token_ids) and self.ends_with_eos else "length"
-
-    def text(self, n: int) -> str:
-        return "".join(self.pieces[:n])
 
 
 @dataclass(frozen=True)
 class Settings:
     answer: Answer
     token_delay_s: float = 0.0
-
-
-def _top(token: str, k: int) -> dict[str, float]:
-    """vLLM's top_logprobs entry: the sampled token first, then k alternatives."""
-    entry = {token: LOGPROB}
-    for j in range(k):
-        entry[f"<alt{j}>"] = LOGPROB - 1 - j
-    return entry
-
-
-class Renderer:
-    """Pre-serialized pieces of every response shape, cached per (tokens, logprobs, ids) choice."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-
-    def _completion_logprobs(self, start: int, end: int, k: int, offset: int) -> dict[str, Any]:
-        offsets, tokens = [], []
-        for i in range(start, end):
-            offsets.append(offset)
-            tokens.append(self.answer.tokens[i])
-            offset += len(self.answer.tokens[i])
-        return {
-            "text_offset": offsets,
-            "token_logprobs": [LOGPROB] * (end - start),
-            "tokens": tokens,
-            "top_logprobs": [_top(t, k) for t in tokens],
-        }
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - one renderer per process, lives as long as it
-    def completion_stream_choices(self, n: int, k: int | None, ids: bool) -> tuple[dict[str, Any], Chunks]:
-        """The first chunk's choice as a dict (the prompt ids go in per request) and every chunk's
-        (choice, tail) bytes; the first chunk's choice bytes are left empty."""
-        choices: list[dict[str, Any]] = []
-        offset = 0
-        for i in range(n):
-            last = i == n - 1
-            choices.append(
-                {
-                    "index": 0,
-                    "text": self.answer.pieces[i],
-                    "logprobs": None if k is None else self._completion_logprobs(i, i + 1, k, offset),
-                    "finish_reason": self.answer.finish(n) if last else None,
-                    "stop_reason": None,
-                    "prompt_token_ids": None,
-                    "token_ids": [self.answer.token_ids[i]] if ids else None,
-                }
-            )
-            offset += len(self.answer.tokens[i])
-        chunks = tuple(
-            (b"" if i == 0 else orjson.dumps(c), FINAL_TAIL if i == n - 1 else TAIL)
-            for i, c in enumerate(choices)
-        )
-        return choices[0], chunks
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019
-    def completion_choice(self, n: int, k: int | None, ids: bool) -> dict[str, Any]:
-        return {
-            "index": 0,
-            "text": self.answer.text(n),
-            "logprobs": None if k is None else self._completion_logprobs(0, n, k, 0),
-            "finish_reason": self.answer.finish(n),
-            "stop_reason": None,
-            "token_ids": list(self.answer.token_ids[:n]) if ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "routed_experts": None,
-        }
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019
-    def chat_stream_choices(self, n: int) -> Chunks:
-        """The role chunk, then one chunk per token with text, the last one carrying the finish reason."""
-        role = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        chunks: list[tuple[bytes, bytes]] = [(orjson.dumps(role), CHAT_FIRST_TAIL)]
-        for i, piece in enumerate(self.answer.pieces[:n]):
-            last = i == n - 1
-            if not piece and not last:
-                continue
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None}
-            choice["finish_reason"] = self.answer.finish(n) if last else None
-            if last:
-                choice["stop_reason"] = None
-            choice["token_ids"] = None
-            chunks.append((orjson.dumps(choice), TAIL))
-        return tuple(chunks)
-
-
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": None,
-        "completion_tokens_details": None,
-    }
-
-
-Chunks = tuple[tuple[bytes, bytes], ...]
-"""Per SSE chunk: the serialized choice and what follows the choices list."""
-FINGERPRINT = "vllm-0.32.0-fixed"
-TAIL = b"]}\n\n"
-FINAL_TAIL = b'],"system_fingerprint":"' + FINGERPRINT.encode() + b'"}\n\n'
-"""vLLM stamps the fingerprint on the terminal chunk when no usage chunk follows."""
-CHAT_FIRST_TAIL = b'],"prompt_token_ids":null,"prompt_text":null}\n\n'
-
-
-def _head(request_id: str, obj: str, created: int, model: Any) -> bytes:
-    return (
-        b'data: {"id":"'
-        + request_id.encode()
-        + b'","object":"'
-        + obj.encode()
-        + b'","created":'
-        + str(created).encode()
-        + b',"model":'
-        + orjson.dumps(model)
-        + b',"choices":['
-    )
 
 
 class FixedUpstream:
@@ -256,7 +89,7 @@ class FixedUpstream:
                 "choices": [choice],
                 "service_tier": None,
                 "system_fingerprint": FINGERPRINT,
-                "usage": _usage(len(prompt), n),
+                "usage": usage_json(len(prompt), n),
                 "kv_transfer_params": None,
                 "ec_transfer_params": None,
                 "metrics": None,
@@ -264,7 +97,7 @@ class FixedUpstream:
             await _respond(send, 200, orjson.dumps(payload))
             return
         first, chunks = self.render.completion_stream_choices(n, k, ids)
-        head = _head(request_id, "text_completion", created, model)
+        head = chunk_head(request_id, "text_completion", created, model)
         await _start_stream(send)
         for i, (serialized, tail) in enumerate(chunks):
             if i == 0:
@@ -305,7 +138,7 @@ class FixedUpstream:
                 ],
                 "service_tier": None,
                 "system_fingerprint": FINGERPRINT,
-                "usage": _usage(prompt_tokens, n),
+                "usage": usage_json(prompt_tokens, n),
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
                 "prompt_text": None,
@@ -315,7 +148,7 @@ class FixedUpstream:
             }
             await _respond(send, 200, orjson.dumps(payload))
             return
-        head = _head(request_id, "chat.completion.chunk", created, model)
+        head = chunk_head(request_id, "chat.completion.chunk", created, model)
         await _start_stream(send)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = self.render.chat_stream_choices(n)
@@ -324,7 +157,7 @@ class FixedUpstream:
             final = i == len(chunks) - 1 and not include_usage
             await _send_more(send, head + choice + (FINAL_TAIL if final else tail))
         if include_usage:
-            usage = {k: v for k, v in _usage(prompt_tokens, n).items() if v is not None}
+            usage = {k: v for k, v in usage_json(prompt_tokens, n).items() if v is not None}
             data = b'],"usage":' + orjson.dumps(usage) + b',"system_fingerprint":"' + FINGERPRINT.encode()
             await _send_more(send, head + data + b'"}\n\n')
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -407,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
     parser = argparse.ArgumentParser(
-        prog="python -m bench.fixed_upstream",
+        prog="python -m bench.gateway_overhead.fixed_upstream",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -437,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{tokens} tokens per answer · {args.token_delay_ms} ms/token"
     )
     uvicorn.run(
-        "bench.fixed_upstream:create_app",
+        "bench.gateway_overhead.fixed_upstream:create_app",
         factory=True,
         host=args.host,
         port=args.port,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,12 @@ from tests.support.setup_steps import POSTGRES_MISSING, TORCH_MISSING
 
 if TYPE_CHECKING:
     from tracetrain.engines.transformers_engine import TransformersEngine
+
+# Every Ray the suite starts runs without Ray's token authentication. The first Ray started in this process
+# otherwise writes a token under the home directory and keeps using it, and a later driver connection to a
+# cluster started without one (tests/integration/test_fsdp_ray_cluster.py) has its actors cancelled
+# before they run.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # tests.support.ci_skips fails every skip when CI=true (a skip there means a setup step is missing);
 # pytester runs that plugin in tests/unit/test_ci_skips.py. pytest_plugins is only allowed in the

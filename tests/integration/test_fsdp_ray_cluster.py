@@ -72,7 +72,10 @@ def _start_node(root: Path, name: str, head_address: str | None) -> tuple[subpro
     else:
         command += [f"--address={head_address}"]
     # No drain on SIGTERM: it gives running work time to finish elsewhere, and this cluster's work is done.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    # A worker process that imports torch on a busy 2-core machine (the whole suite running) can take longer
+    # to register than Ray's default allows, and its actor is then cancelled before it ever runs.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           "RAY_worker_register_timeout_seconds": "600"}
     log = root / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -151,8 +154,11 @@ def test_one_fsdp_step_on_two_ray_nodes_equals_one_local_step(ray_cluster: RayCl
     expected = trainable(local)
 
     assert not ray.is_initialized()
-    fsdp = FSDPBackend(train_config(tmp_path, lora=lora, backend="fsdp", workers=2,
-                                    ray_address=ray_cluster.address), tiny_model_path, None)
+    try:
+        fsdp = FSDPBackend(train_config(tmp_path, lora=lora, backend="fsdp", workers=2,
+                                        ray_address=ray_cluster.address), tiny_model_path, None)
+    except Exception as exc:  # the nodes' own logs say why a worker did not start
+        raise AssertionError(f"the backend did not start on the cluster: {exc}\n{ray_cluster.log_tails()}") from exc
     try:
         assert fsdp.owns_ray, "the backend joined the cluster itself, from cfg.ray_address"
         nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}

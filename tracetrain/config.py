@@ -270,10 +270,11 @@ class Config(BaseSettings):
     2e-3, float16 2e-2, bfloat16 5e-2)."""
     engine_timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
-    json_max_whitespace: int | None = Field(default=12, ge=1)
+    json_max_whitespace: int | None = Field(default=64, ge=1)
     """vLLM: at most this many consecutive whitespace characters in constrained JSON (forced tool
-    calls, `response_format`), per request through an xgrammar structural tag; enough for the
-    model's own `{\n  "key": …` layout, too few to pad until max_tokens. None: the server's setting."""
+    calls, `response_format`), per request through an xgrammar structural tag. Enough for a model that
+    indents nested objects (a newline plus a few levels of indentation), too few to pad until
+    max_tokens. None: the server's setting."""
     db_url: str = "sqlite:///tracetrain.db"
     """Store URL: SQLite (WAL) file or postgresql+psycopg://…"""
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"

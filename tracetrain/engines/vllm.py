@@ -49,7 +49,7 @@ class VLLMEngine:
         timeout: float = 600.0,
         skip_special_tokens: bool = True,
         max_connections: int = 256,
-        json_max_whitespace: int | None = 12,
+        json_max_whitespace: int | None = 64,
     ) -> None:
         """`base_url` is the server root (`http://host:port`, a trailing `/v1` is accepted), or
         `unix:/path/to/socket` for a server listening on a Unix socket (what `VLLMServer` starts).
@@ -232,10 +232,9 @@ def json_constraint(constraint: dict[str, Any], max_whitespace: int | None) -> d
     `max_tokens` (seen with SmolLM2 on forced tool calls), and with no whitespace at all it can loop
     inside a string instead (seen on a two-field schema where vLLM's default stops after 40 tokens).
     vLLM 0.32 sets whitespace per server only, but xgrammar's structural tags take a per-request
-    bound (`max_whitespace_cnt`), which keeps the layout the model prefers (`{\n  "key": …`) and
-    still ends every whitespace run (`bench/results/constrained_json.md`, in git history at af20f58).
-    Other constraints, and
-    every constraint when `max_whitespace` is None, go to vLLM unchanged."""
+    bound (`max_whitespace_cnt`), which keeps the layout the model prefers (`{\n  "key": …`, nested
+    levels indented) and still ends every whitespace run (`bench/results/constrained_json.md`, in git
+    history at af20f58). Other constraints, and every constraint when `max_whitespace` is None, go to vLLM unchanged."""
     if max_whitespace is None or not ({"json", "json_object"} & constraint.keys()):
         return constraint
     schema = constraint.get("json") or {"type": "object"}

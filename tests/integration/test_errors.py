@@ -24,6 +24,7 @@ from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, free_port, start_gateway
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.vllm import VLLMEngine
+from tracetrain.proxy.gateway import Gateway
 
 MODEL = "tiny"
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -288,6 +289,63 @@ async def test_concurrent_replays_of_one_key_store_one_reward(rec: Recorded) -> 
         assert sorted(r.status_code for r in replies) == [200] + [409] * 7
     keys_stored = [r["idempotency_key"] for r in _session(rec.gw, rec.session)["rewards"]]
     assert sorted(keys_stored, key=str) == sorted([None, "same", "differ"], key=str)
+
+
+# --- unsupported methods -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("PUT", "/v1/chat/completions", "POST"),
+    ("DELETE", "/s/{session}/v1/rewards", "POST"),
+    ("PUT", "/v1/sessions/{session}/reward_override", "DELETE, POST"),
+    ("POST", "/v1/sessions/{session}", "GET"),
+    ("GET", "/v1/messages/count_tokens", "POST"),
+])
+def test_a_method_a_path_lacks_is_405_naming_the_methods_it_has(rec: Recorded, method: str, path: str,
+                                                                  allowed: str) -> None:
+    """RFC 9110: a 405 carries `Allow`, with every method of the path (a path may have several routes)."""
+    response = httpx.request(method, rec.gw.url + path.format(session=rec.session), timeout=30)
+    assert response.status_code == 405 and response.headers["allow"] == allowed, response.headers
+    if path.endswith("count_tokens"):
+        assert response.json()["type"] == "error" and response.json()["error"]["type"] == "invalid_request_error"
+    else:
+        _assert_error(response, 405, "http_error")
+    rec.assert_intact()
+
+
+# --- policies -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def publishing(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[Recorded]:
+    """A gateway with a publisher (as `serve --train` has), and a session it recorded."""
+    from tracetrain.engines.transformers_publish import InProcessPublisher
+
+    def attach(gateway: Gateway) -> None:
+        gateway.publisher = InProcessPublisher(tiny_engine)
+
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'pub.db'}",
+                            prepare=attach)
+    yield _record(running, "keep-publishing")
+    running.stop()
+
+
+@pytest.mark.parametrize(("checkpoint", "kind", "status", "code"), [
+    ("", "full", 400, "invalid_value"),  # was a 502: the publisher read the gateway's working directory
+    (".", "full", 404, "checkpoint_not_found"),
+    ("{empty}", "lora", 404, "checkpoint_not_found"),
+    ("{missing}", "full", 404, "checkpoint_not_found"),
+])
+def test_a_checkpoint_that_is_not_there_is_a_4xx(publishing: Recorded, tmp_path: Path, checkpoint: str, kind: str,
+                                                  status: int, code: str) -> None:
+    (tmp_path / "empty").mkdir()
+    path = checkpoint.format(empty=tmp_path / "empty", missing=tmp_path / "missing")
+    response = httpx.post(f"{publishing.gw.url}/v1/policies", json={"version": 1, "checkpoint": path, "kind": kind},
+                          timeout=60)
+    error = _assert_error(response, status, code)
+    assert error["param"] == "checkpoint"
+    assert httpx.get(f"{publishing.gw.url}/v1/policies", timeout=30).json()["served_version"] == 0
+    publishing.assert_intact()
 
 
 # --- engine failures ----------------------------------------------------------------------------------

@@ -100,6 +100,58 @@ def test_a_session_may_mix_apis(tool_gateway: RunningGateway) -> None:
     assert [c["link"] for c in _session(tool_gateway, "mixed")["calls"]] == ["start", "extend"]
 
 
+def test_count_tokens_is_the_prompt_a_messages_call_then_records(tool_gateway: RunningGateway) -> None:
+    """`messages.count_tokens` renders exactly what a Messages call with the same system, tools and messages
+    sends, and records nothing."""
+    session = "msg-count"
+    client = _client(tool_gateway, session)
+    ask: Any = {"model": MODEL, "system": [{"type": "text", "text": "You add numbers."}], "tools": [ADD],
+                "messages": [{"role": "user", "content": GREETING[0]}]}
+    counted = client.messages.count_tokens(**ask)
+    assert counted.input_tokens > 0
+    unbound = anthropic.Anthropic(base_url=tool_gateway.url, api_key="unused", max_retries=0)
+    assert unbound.messages.count_tokens(**ask) == counted
+    assert httpx.get(f"{tool_gateway.url}/v1/sessions").json()["total"] == 0, "a count records nothing"
+    reply = client.messages.create(**ask, max_tokens=8, extra_body=GREEDY)
+    (call,) = _session(tool_gateway, session)["calls"]
+    assert counted.input_tokens == call["prompt_tokens"] == reply.usage.input_tokens
+
+
+def test_count_tokens_follows_the_sessions_token_chain(tool_gateway: RunningGateway) -> None:
+    """Under a session path the count is of the prompt the next call extends the session's chain with: after a
+    tool_use, the count of the conversation with its tool_result is the next call's recorded prompt."""
+    session = "msg-count-chain"
+    client = _client(tool_gateway, session)
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    counted = client.messages.count_tokens(model=MODEL, tools=[ADD], messages=messages)
+    first = client.messages.create(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=[ADD], messages=messages)
+    assert counted.input_tokens == first.usage.input_tokens
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+    again = client.messages.count_tokens(model=MODEL, tools=[ADD], messages=messages)
+    grouped = httpx.post(f"{tool_gateway.url}/s/{session}/g/adders/v1/messages/count_tokens",
+                         json={"model": MODEL, "tools": [ADD], "messages": messages})
+    assert grouped.status_code == 200 and grouped.json() == {"input_tokens": again.input_tokens}
+    assert len(_session(tool_gateway, session)["calls"]) == 1
+    second = client.messages.create(model=MODEL, max_tokens=48, extra_body=GREEDY, tools=[ADD], messages=messages)
+    calls = _session(tool_gateway, session)["calls"]
+    assert calls[1]["link"] == "extend", "the second call extends the first one's token chain"
+    assert again.input_tokens == calls[1]["prompt_tokens"] == second.usage.input_tokens
+
+
+def test_count_tokens_refuses_what_a_messages_call_refuses(tool_gateway: RunningGateway) -> None:
+    client = _client(tool_gateway, "msg-count-bad")
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-nope", messages=[{"role": "user", "content": "hi"}])
+    for content in ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}],
+                    [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "5"}]):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": content}])  # type: ignore[misc]
+        assert refused.value.body["type"] == "error"  # type: ignore[index]
+    assert httpx.get(f"{tool_gateway.url}/v1/sessions/msg-count-bad").status_code == 404
+
+
 @pytest.mark.parametrize(("body", "fragment"), [
     ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),

@@ -7,9 +7,10 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tracetrain.proxy.binding import check_path_ids
 from tracetrain.proxy.console_ui import mount_console
 from tracetrain.proxy.errors import BodyTooLarge, error_for_path, install_error_handlers
 from tracetrain.proxy.gateway import Gateway
@@ -94,7 +95,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="tracetrain gateway", lifespan=lifespan)
+    app = FastAPI(title="tracetrain gateway", lifespan=lifespan, dependencies=[Depends(check_path_ids)])
     app.state.gateway = gateway
     install_error_handlers(app)
     install_openapi(app)

@@ -10,16 +10,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote
 
 from fastapi import Request
+from pydantic import Field
 
 from tracetrain.proxy.errors import APIError
 
 MAX_ID_LEN = 256
+ID_CHARACTERS = "[^\\x00-\\x1f\\x7f-\\x9f\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u2069\\ufeff]"
+"""What a session or group id may hold: anything but control characters (C0, DEL, C1), zero-width and direction
+marks, line and paragraph separators, bidirectional embeddings, overrides and isolates, and the byte order mark:
+characters that would hide or disguise an id wherever it is shown. One regex for the OpenAPI document (JSON Schema)
+and for the check here, so the two cannot disagree."""
+ID_PATTERN = f"^{ID_CHARACTERS}*$"
+_ID_RE = re.compile(ID_PATTERN)
+ID_RULE = ("no control characters, zero-width or direction marks, line or paragraph separators, bidirectional "
+           "controls or byte order mark")
+ID_DESCRIPTION = f"Up to {MAX_ID_LEN} characters: {ID_RULE}"
+
+BindingId = Annotated[str, Field(max_length=MAX_ID_LEN, pattern=ID_PATTERN, description=(
+    f"{ID_DESCRIPTION}. Binds the call to a session or group (docs/api.md); empty binds nothing."))]
+"""A body field that may name the session or group (`user`, `metadata.session_id`, ...): the same rule as the path."""
 
 
 @dataclass
@@ -29,8 +45,8 @@ class Binding:
 
 
 def _check(value: str | None, what: str) -> str | None:
-    if value is not None and (not value or len(value) > MAX_ID_LEN or not value.isprintable()):
-        raise APIError(400, f"Invalid {what}: 1 to {MAX_ID_LEN} printable characters.", code=f"invalid_{what}")
+    if value is not None and (not value or len(value) > MAX_ID_LEN or not _ID_RE.fullmatch(value)):
+        raise APIError(400, f"Invalid {what}: 1 to {MAX_ID_LEN} characters, {ID_RULE}.", code=f"invalid_{what}")
     return value
 
 
@@ -49,9 +65,19 @@ def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str 
     with its `user_id`)."""
     params = request.path_params
     metadata = metadata or {}
-    session = params.get("session") or request.headers.get("x-session-id") or metadata.get("session_id") or user
-    group = params.get("group") or request.headers.get("x-group-id") or metadata.get("group_id")
+    # An empty value binds nothing: the next source is asked.
+    session = (params.get("session") or request.headers.get("x-session-id") or metadata.get("session_id") or user
+               or None)
+    group = params.get("group") or request.headers.get("x-group-id") or metadata.get("group_id") or None
     return Binding(_check(session, "session_id"), _check(group, "group_id"))
+
+
+async def check_path_ids(request: Request) -> None:
+    """Every route under `/s/{session}` (and `/g/{group}`) holds its path's ids to the rule the document states,
+    whether or not it binds anything with them (the model list, a stored response)."""
+    params = request.path_params
+    _check(params.get("session"), "session_id")
+    _check(params.get("group"), "group_id")
 
 
 def prompt_group(messages: list[dict[str, Any]]) -> str:

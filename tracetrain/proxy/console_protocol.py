@@ -11,20 +11,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tracetrain.proxy.protocol import RequestModel
 from tracetrain.store.console import added_messages
 from tracetrain.store.models import AgentSessionPublic, Call, SessionActionPublic
 
 MAX_NOTE = 4000
 
 
-class NoteRequest(BaseModel):
+class NoteRequest(RequestModel):
     """Optional body of exclude and include: why."""
 
     model_config = ConfigDict(extra="forbid")
     note: str = Field(default="", max_length=MAX_NOTE)
 
 
-class RewardOverrideRequest(BaseModel):
+class RewardOverrideRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     reward: Annotated[float, Field(strict=True, allow_inf_nan=False)]
     """The reward the trainer uses for this session from now on, in place of the posted ones."""

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import PydanticCustomError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from tracetrain.engines.base import EngineError
 
@@ -85,15 +89,44 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+REFUSALS = frozenset({"unsupported_content", "unsupported_parameter", "unsupported_tool", "unsupported_item",
+                      "missing_target", "invalid_value"})
+"""Codes of validation errors the request models raise themselves (`refusal`): what the document leaves out on
+purpose (image parts, penalties the engines are not given, hosted tools), refused with a message that names it
+rather than as a type error, rules a model states in its schema by hand (a reward's target), and a type error
+a union would otherwise report from the wrong alternative (several prompts)."""
+
+
+def refusal(code: str, message: str) -> PydanticCustomError:
+    """A validation error with the gateway's own code (one of `REFUSALS`), raised from a model's validator: the
+    model's schema states what is accepted, this says why the rest is not. `message` is used as it is."""
+    assert code in REFUSALS, code
+    return PydanticCustomError(code, message)  # without a context the message is not a template
+
+
 FIELD_CODES = {"tools": "invalid_tools", "tool_choice": "invalid_tool_choice",
                "response_format": "invalid_response_format"}
 """Error codes for fields whose shape has its own code in OpenAI's errors; other fields: invalid_value."""
 
 
+def _place(loc: list[Any], body: Any, missing: bool) -> list[str]:
+    """The parts of an error's location that are places in the body: pydantic also names the union member it
+    tried there (`str`, `list[...]`, `NamedToolChoice`, a discriminator's value such as `user`), which is not.
+    `missing`: the error is a required field the body lacks, the location's last part."""
+    place, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int):
+            place.append(str(part))
+            node = node[part] if isinstance(node, dict) or part < len(node) else None
+    if missing and loc:
+        place.append(str(loc[-1]))
+    return place
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """(message, param, code) of the most specific validation error. Union members pydantic names in
-    the location (`literal['none','auto']`, `NamedToolChoice`) are left out of the param."""
+    """(message, param, code) of the most specific validation error; its param is where in the body it is."""
     errors = exc.errors()
+    refused = next((e for e in errors if e.get("type") in REFUSALS), None)
     # Of a union's failed alternatives the deepest is the one the client meant (a block with a missing
     # field, rather than "should be a string").
     first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
@@ -101,9 +134,17 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None, 
         first = next(e for e in errors if e.get("type") == "json_invalid")
     if first.get("type") == "json_invalid":
         return f"Request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json"
-    loc = [str(p) for p in first.get("loc", ())]
-    loc = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
-    where = ".".join(p for p in loc if not (p[:1].isupper() or "[" in p)) or "body"
+    if refused is not None:  # a refusal names what it refuses: it wins over a union's other alternatives
+        first = refused
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = _place(loc[1:], exc.body, first.get("type") == "missing")
+    else:
+        loc = [str(p) for p in loc[1:]] if loc and loc[0] in ("query", "path", "header") else [str(p) for p in loc]
+    where = ".".join(loc) or "body"
+    if refused is not None:
+        return (f"{where}: {refused['msg']}", where, refused["type"]) if loc else (refused["msg"], None,
+                                                                                 refused["type"])
     code = FIELD_CODES.get(loc[0], "invalid_value") if loc else "invalid_value"
     return f"Invalid value for '{where}': {first.get('msg', 'invalid')}", where, code
 
@@ -120,10 +161,14 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+"""Path endings of the Anthropic Messages API, whose errors come in Anthropic's shape."""
+
+
 def error_for_path(path: str, status: int, message: str, code: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """Each API's errors in its own shape: Anthropic's for the Messages API, OpenAI's otherwise."""
-    if path.endswith("/v1/messages"):
+    if path.endswith(MESSAGES_PATHS):
         return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return error_response(status, message, code, param, headers)
 
@@ -164,4 +209,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _respond(request, exc.status_code, str(exc.detail), "http_error")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route with this path only; a path may have several
+            # (POST and DELETE of a reward override), and RFC 9110 wants them all.
+            headers["Allow"] = allowed_methods(request)
+        return _respond(request, exc.status_code, str(exc.detail), "http_error", headers=headers or None)
+
+
+def _routes(routes: Sequence[BaseRoute]) -> Iterator[BaseRoute]:
+    for route in routes:
+        included = getattr(route, "original_router", None)  # newer FastAPI keeps an included router whole
+        yield from _routes(included.routes) if included is not None else (route,)
+
+
+def allowed_methods(request: Request) -> str:
+    """The `Allow` header of a 405: every method of every route whose path matches the request's (the routers
+    are included without a prefix, so a route's own path is the app's)."""
+    methods: set[str] = set()
+    for route in _routes(request.app.router.routes):
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route_methods
+    return ", ".join(sorted(methods))

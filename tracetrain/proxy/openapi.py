@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from tracetrain.proxy.binding import MAX_ID_LEN
+from tracetrain.proxy.binding import ID_CHARACTERS, ID_RULE, MAX_ID_LEN
+from tracetrain.proxy.errors import MESSAGES_PATHS
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
@@ -43,14 +44,13 @@ SSE_EVENT_SCHEMA = {
 """One server-sent event (OpenAPI before 3.2 has a `text/event-stream` schema describe each event)."""
 
 
-NO_CONTROL_CHARACTERS = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
-ID_DESCRIPTION = (f"1 to {MAX_ID_LEN} printable characters (as Python's `str.isprintable`: no control, format or "
-                  "separator characters but the space)")
-"""Session and group ids (proxy/binding.py); the pattern states the part a JSON Schema regex can."""
+BINDING_PARAMETERS = ("session", "group")
+PATH_ID_DESCRIPTION = f"1 to {MAX_ID_LEN} characters: {ID_RULE}"
+"""Session and group ids in a path (proxy/binding.py, whose regex the schema carries)."""
 
 
 def _error(path: str, description: str) -> dict[str, Any]:
-    name = "AnthropicError" if path.endswith("/v1/messages") else "Error"
+    name = "AnthropicError" if path.endswith(MESSAGES_PATHS) else "Error"
     return {"description": description,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
@@ -92,13 +92,16 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema["components"]["schemas"].pop("ValidationError", None)
     for path, operations in schema["paths"].items():
         for operation in operations.values():
-            declared = {p["name"] for p in operation.get("parameters", []) if p["in"] == "path"}
+            parameters = operation.setdefault("parameters", [])
+            declared = {p["name"]: p for p in parameters if p["in"] == "path"}
             for name in re.findall(r"{(\w+)}", path):
-                if name not in declared:
-                    operation.setdefault("parameters", []).append({
-                        "name": name, "in": "path", "required": True, "description": ID_DESCRIPTION,
-                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN,
-                                   "pattern": NO_CONTROL_CHARACTERS}})
+                if name in BINDING_PARAMETERS:  # declared by the handler or not, checked by binding.check_path_ids
+                    parameters[:] = [p for p in parameters if p is not declared.get(name)]
+                    parameters.append({"name": name, "in": "path", "required": True, "description": PATH_ID_DESCRIPTION,
+                                       "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN,
+                                                  "pattern": f"^{ID_CHARACTERS}+$"}})
+            if not parameters:
+                del operation["parameters"]
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             responses.setdefault("400", _error(path, "Invalid request"))
@@ -108,7 +111,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 responses.setdefault("413", _error(path, "Request body too large"))  # app.BodyLimit
             # Any route that reads or writes the store answers 503 while the store is away (errors.store_error).
             responses.setdefault("503", _error(path, "The store (or the engine) is unavailable just now"))
-            if path.endswith("/v1/messages"):  # routes declare OpenAI's shape; this API answers in Anthropic's
+            if path.endswith(MESSAGES_PATHS):  # routes declare OpenAI's shape; this API answers in Anthropic's
                 for status, answer in responses.items():
                     if status.startswith(("4", "5")) and "application/json" in answer.get("content", {}):
                         answer["content"]["application/json"]["schema"] = {

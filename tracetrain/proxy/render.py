@@ -87,6 +87,13 @@ def parse_reply(text: str, *, tools_enabled: bool) -> tuple[str, list[dict[str, 
     return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
 
 
+def first_tool_call_only(reply: dict[str, Any]) -> dict[str, Any]:
+    """An assistant reply with at most its first tool call (`parallel_tool_calls: false`): what vLLM answers then,
+    the model's other calls left out of the reply (not of its sampled tokens)."""
+    calls = reply.get("tool_calls")
+    return {**reply, "tool_calls": calls[:1]} if calls and len(calls) > 1 else reply
+
+
 def parse_forced_call(text: str) -> list[dict[str, Any]]:
     """The call of a forced tool call: the sampled text is the JSON object alone (the grammar ended
     it), so it is parsed whole; a string argument may even contain `</tool_call>`. [] if cut short."""

@@ -6,6 +6,7 @@ stream chunks; binding, chaining, generating and recording are the core's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from tracetrain.proxy.protocol import (
     Usage,
     message_problem,
 )
-from tracetrain.proxy.render import canonical_message
+from tracetrain.proxy.render import canonical_message, first_tool_call_only
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
@@ -42,7 +43,7 @@ from tracetrain.proxy.serving import (
     Turn,
     counted,
     finish_reason,
-    generate_all,
+    generate,
     prepare,
     record,
     reply_message,
@@ -80,10 +81,11 @@ def _spec(request: Request, body: ChatCompletionRequest, default_max_tokens: int
         structured_output=constraint.structured_output if constraint else None, stream=body.stream,
     )
     sent = [m.model_dump(exclude_none=True) for m in body.messages]
+    metadata = body.metadata.model_dump(exclude_none=True) if body.metadata else None
     return CallSpec(
         model=body.model, messages=[canonical_message(m) for m in sent],
-        tools=body.tools or None, tools_enabled=body.tool_choice != "none", params=params,
-        constraint=constraint, n=body.n, binding=bind(request, metadata=body.metadata, user=body.user),
+        tools=[t.as_sent for t in body.tools] if body.tools else None, tools_enabled=body.tool_choice != "none",
+        params=params, constraint=constraint, n=body.n, binding=bind(request, metadata=metadata, user=body.user),
         completion_id=f"chatcmpl-{uuid.uuid4().hex}",
         request_messages=sent,
         bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
@@ -107,8 +109,19 @@ def _usage(turn: Turn) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _complete(gw: Gateway, turn: Turn, logprobs: bool) -> ChatCompletionResponse:
-    replies = await generate_all(gw, turn)
+def _replies(turn: Turn, body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The finished choices as assistant messages; with `parallel_tool_calls: false`, each with its first tool call
+    only, as vLLM answers. The record keeps every sampled token and this reply, so the client's next request, which
+    sends the reply back, still extends the call's token chain."""
+    replies = [reply_message(turn, c) for c in turn.choices]
+    return [first_tool_call_only(r) for r in replies] if body.parallel_tool_calls is False else replies
+
+
+async def _complete(gw: Gateway, turn: Turn, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    await asyncio.gather(*(generate(gw, turn, c) for c in turn.choices))
+    replies = _replies(turn, body)
+    await record(gw, turn, replies)
+    logprobs = body.logprobs
     return ChatCompletionResponse(
         id=turn.spec.completion_id, created=int(time.time()), model=turn.spec.model,
         choices=[ChatCompletionChoice(index=c.index, message=reply, finish_reason=finish_reason(c, reply),
@@ -155,7 +168,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
                 yield chunk([piece])
     finally:
         run.cancel()
-    replies = [reply_message(turn, c) for c in turn.choices]
+    replies = _replies(turn, body)
     yield FLUSH  # the text so far must not wait for the record
     try:
         await record(gw, turn, replies)
@@ -190,6 +203,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
             run = StreamRun(gw, turn)
             await run.started()
             return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
-        completion = await _complete(gw, turn, body.logprobs)
+        completion = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return completion

@@ -12,20 +12,20 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
-from tracetrain.proxy.binding import bind
-from tracetrain.proxy.errors import APIError, error_body
+from tracetrain.proxy.binding import BindingId, bind
+from tracetrain.proxy.errors import APIError, error_body, refusal
 from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import generation_responses
-from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
+from tracetrain.proxy.protocol import INTEGRAL, NO_PENALTY, SEED_MAX, SEED_MIN, Metadata, RequestModel, neutral_only
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
@@ -42,23 +42,47 @@ router = APIRouter()
 GENERATING = generation_responses()
 
 
-class CompletionRequest(BaseModel):
+def _one_prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+            raise refusal("invalid_value", "One prompt per request: send each prompt as its own request (its own "
+                          "session).") from None
+        raise
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), INTEGRAL]], Field(min_length=1)]
+"""Token ids of the served model (below its vocabulary size, which the gateway checks: the document cannot know it)."""
+Text = Annotated[str, Field(min_length=1)]
+
+
+class CompletionRequest(RequestModel):
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 16}]})
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(default=16, ge=1, le=131072)
+    prompt: Annotated[Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)], WrapValidator(_one_prompt)] = Field(description=(
+            "One prompt: text, token ids, or a list of one of these (send each further prompt as its own request)."))
+    max_tokens: Annotated[int, Field(ge=1, le=131072), INTEGRAL] = 16
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
+    n: Annotated[int, Field(ge=1, le=16), INTEGRAL] = 1
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), INTEGRAL] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
+    echo: Annotated[Literal[False], neutral_only("false", boolean=True)] = Field(default=False,
+                                                                                  description="Not supported.")
+    suffix: Annotated[Literal[""] | None, neutral_only("null")] = Field(default=None, description="Not supported.")
+    frequency_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
+        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
+    presence_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
+        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
+    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0), neutral_only("an empty map")] = Field(
+        default=None, description="Not applied by this gateway's engines: only an empty map is accepted.")
     stream: bool = False
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: BindingId | None = None
+    metadata: Metadata | None = None
     return_token_ids: bool = False
 
 
@@ -95,22 +119,12 @@ class CompletionResponse(BaseModel):
 
 
 def _prompt_ids(gw: Gateway, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    if isinstance(prompt, str):
-        return gw.renderer.encode(prompt)
-    if all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]  # type: ignore[arg-type]
-    if len(prompt) != 1:
-        raise APIError(400, "One prompt per request: send each prompt as its own request (its own session).",
-                       code="invalid_value", param="prompt")
-    first = prompt[0]
+    """The one prompt's ids (the model admits a list of one prompt only)."""
+    first = prompt[0] if isinstance(prompt, list) and not isinstance(prompt[0], int) else prompt
     return gw.renderer.encode(first) if isinstance(first, str) else [int(t) for t in first]  # type: ignore[union-attr]
 
 
 def _spec(gw: Gateway, request: Request, body: CompletionRequest) -> CallSpec:
-    for field, unsupported in (("echo", body.echo), ("suffix", body.suffix is not None)):
-        if unsupported:
-            raise APIError(400, f"'{field}' is not supported by this gateway.", code="unsupported_parameter",
-                           param=field)
     ids = _prompt_ids(gw, body.prompt)
     if not ids:
         raise APIError(400, "The prompt is empty.", code="invalid_value", param="prompt")
@@ -126,7 +140,8 @@ def _spec(gw: Gateway, request: Request, body: CompletionRequest) -> CallSpec:
     sent = body.prompt if isinstance(body.prompt, str) else gw.renderer.tokenizer.decode(ids)
     return CallSpec(
         model=body.model, messages=[], tools=None, tools_enabled=False, params=params, constraint=None, n=body.n,
-        binding=bind(request, metadata=body.metadata, user=body.user), completion_id=f"cmpl-{uuid.uuid4().hex}",
+        binding=bind(request, metadata=body.metadata.model_dump(exclude_none=True) if body.metadata else None,
+                     user=body.user), completion_id=f"cmpl-{uuid.uuid4().hex}",
         request_messages=[{"role": "prompt", "content": sent}], prompt_ids=ids,
         bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
     )

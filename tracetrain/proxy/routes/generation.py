@@ -11,25 +11,26 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.gate import REMOTE
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses
+from tracetrain.proxy.protocol import RequestModel
 from tracetrain.store import holds
 
 router = APIRouter(responses=error_responses(401, 403))
 
 
-class HoldRequest(BaseModel):
+class HoldRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     holder: str = Field(default="trainer", min_length=1, max_length=128)
     ttl_s: float = Field(default=600.0, gt=0, le=86_400)
     """Seconds after which the hold lapses by itself."""
 
 
-class ReleaseRequest(BaseModel):
+class ReleaseRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
     holder: str = Field(default="trainer", min_length=1, max_length=128)
 

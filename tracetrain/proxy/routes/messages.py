@@ -1,4 +1,5 @@
-"""POST /v1/messages: the Anthropic Messages adapter over the serving core (proxy/serving.py).
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages adapter over the serving core
+(proxy/serving.py; a count over proxy/counting.py).
 
 Agents on the Anthropic SDK point `ANTHROPIC_BASE_URL` at the gateway (`…/s/{session}` to bind a
 session by path). Their messages become canonical chat messages, so a session's calls chain exactly as
@@ -21,21 +22,36 @@ from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import forced_call
-from tracetrain.proxy.errors import APIError, anthropic_error_body
+from tracetrain.proxy.counting import prompt_ids
+from tracetrain.proxy.errors import anthropic_error_body
 from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.proxy.messages_protocol import MessageResponse, MessagesRequest, Usage, canonical_messages, chat_tools
-from tracetrain.proxy.openapi import generation_responses
-from tracetrain.proxy.render import canonical_message
+from tracetrain.proxy.messages_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+    Metadata,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    Usage,
+    canonical_messages,
+    chat_tools,
+)
+from tracetrain.proxy.openapi import error_responses, generation_responses
+from tracetrain.proxy.render import canonical_message, first_tool_call_only
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
     StreamRun,
     Turn,
     counted,
-    finish_stream,
-    generate_all,
+    generate,
     prepare,
+    record,
+    reply_message,
     text_pieces,
 )
 
@@ -43,42 +59,50 @@ router = APIRouter()
 GENERATING = generation_responses()
 
 
-def _forced(body: MessagesRequest) -> str | None:
+def _forced(body: CountTokensRequest) -> str | None:
     """Anthropic's tool_choice in the core's terms: `any` is `required`, `tool` names one."""
     choice = body.tool_choice
-    if choice is None or choice.type in ("auto", "none"):
-        return None
-    if choice.type == "any":
+    if isinstance(choice, ToolChoiceAny):
         return "required"
-    if not choice.name:
-        raise APIError(400, "tool_choice of type 'tool' needs a 'name'.", code="invalid_tool_choice",
-                       param="tool_choice")
-    return choice.name
+    return choice.name if isinstance(choice, ToolChoiceTool) else None
 
 
-def _spec(request: Request, body: MessagesRequest) -> CallSpec:
-    if body.top_k is not None:
-        raise APIError(400, "top_k is not supported by this gateway; use temperature and top_p.",
-                       code="unsupported_parameter", param="top_k")
+def _spec(request: Request, body: CountTokensRequest, params: SamplingParams, metadata: Metadata | None) -> CallSpec:
+    """The core's call for a Messages request, or for a count of its prompt (which has no sampling or metadata)."""
     constraint = forced_call({t.name: t.input_schema for t in body.tools or []}, _forced(body))
-    params = SamplingParams(
-        max_tokens=body.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, stop=list(body.stop_sequences or []), seed=None,
-        top_logprobs=0, structured_output=constraint.structured_output if constraint else None, stream=body.stream,
-    )
-    metadata = body.metadata or {}
+    params.structured_output = constraint.structured_output if constraint else None
     sent = [m.model_dump(exclude_none=True) for m in body.messages]
     if body.system:
         sent.insert(0, {"role": "system", "content": body.system if isinstance(body.system, str)
                         else [b.model_dump() for b in body.system]})
     return CallSpec(
         model=body.model, messages=[canonical_message(m) for m in canonical_messages(body)],
-        tools=chat_tools(body.tools), tools_enabled=not (body.tool_choice and body.tool_choice.type == "none"),
+        tools=chat_tools(body.tools), tools_enabled=not isinstance(body.tool_choice, ToolChoiceNone),
         params=params, constraint=constraint, n=1,
-        binding=bind(request, metadata=metadata, user=metadata.get("user_id")),
+        binding=bind(request, metadata=metadata.model_dump(exclude_none=True) if metadata else None,
+                     user=metadata.user_id if metadata else None),
         completion_id=f"msg_{uuid.uuid4().hex}", request_messages=sent,
         bypass_admission=request.headers.get("x-admission", "").lower() == "bypass",
     )
+
+
+def _sampling(body: MessagesRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=body.max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, stop=list(body.stop_sequences or []), seed=None,
+        top_logprobs=0, stream=body.stream)
+
+
+def _one_call(body: MessagesRequest) -> bool:
+    """`disable_parallel_tool_use`: at most one tool_use block in the reply (vLLM's reading, its first call)."""
+    choice = body.tool_choice
+    return (isinstance(choice, ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool)
+            and bool(choice.disable_parallel_tool_use))
+
+
+def _reply(turn: Turn, body: MessagesRequest) -> dict[str, Any]:
+    reply = reply_message(turn, turn.choices[0])
+    return first_tool_call_only(reply) if _one_call(body) else reply
 
 
 def _blocks(reply: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,8 +131,10 @@ def _usage(turn: Turn) -> Usage:
     return Usage(input_tokens=len(turn.plan.prompt_ids), output_tokens=sum(len(c.token_ids) for c in turn.choices))
 
 
-async def _complete(gw: Gateway, turn: Turn) -> MessageResponse:
-    (reply,) = await generate_all(gw, turn)
+async def _complete(gw: Gateway, turn: Turn, body: MessagesRequest) -> MessageResponse:
+    await generate(gw, turn, turn.choices[0])
+    reply = _reply(turn, body)
+    await record(gw, turn, [reply])
     reason, sequence = _stop(gw, turn, turn.choices[0], reply)
     return MessageResponse(id=turn.spec.completion_id, model=turn.spec.model, content=_blocks(reply),
                            stop_reason=reason, stop_sequence=sequence, usage=_usage(turn))  # type: ignore[arg-type]
@@ -118,7 +144,7 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
 
 
-async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[bytes]:
+async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: MessagesRequest) -> AsyncIterator[bytes]:
     choice = turn.choices[0]
     message: dict[str, Any] = {
         "id": turn.spec.completion_id, "type": "message", "role": "assistant", "model": turn.spec.model,
@@ -143,7 +169,9 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
         yield _event("error", {"error": anthropic_error_body(status, str(error) or "timeout")["error"]})
         return
     yield FLUSH  # the text so far must not wait for the record
-    reply, rest = await finish_stream(gw, turn)
+    reply = _reply(turn, body)
+    await record(gw, turn, [reply])
+    rest = (reply.get("content") or "")[choice.emitted :]  # text held back as a possible tool call
     for event in text(rest) if rest else []:
         yield event
     index = 0
@@ -171,11 +199,29 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun) -> AsyncIterator[byte
 async def messages(body: MessagesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
     gw: Gateway = request.app.state.gateway
     async with counted(gw, body.stream):
-        turn = await prepare(gw, _spec(request, body), owner=caller.owner, admin=caller.admin)
+        turn = await prepare(gw, _spec(request, body, _sampling(body), body.metadata), owner=caller.owner,
+                             admin=caller.admin)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run), ready=run.ready, headers=turn.headers())
-        message = await _complete(gw, turn)
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
+        message = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return message
+
+
+COUNTING = error_responses(401, 403, 404, described={403: "The session belongs to another API key",
+                                                     404: "No such model"})
+
+
+@router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=COUNTING)
+@router.post("/s/{session}/v1/messages/count_tokens", response_model=CountTokensResponse, responses=COUNTING)
+@router.post("/s/{session}/g/{group}/v1/messages/count_tokens", response_model=CountTokensResponse,
+             responses=COUNTING)
+async def count_tokens(body: CountTokensRequest, request: Request, caller: CallerDep) -> CountTokensResponse:
+    """The prompt's tokens as a Messages call with these fields would send them (`input_tokens` of its usage),
+    rendered by the gateway itself; under a session path, on the session's token chain. Records nothing."""
+    gw: Gateway = request.app.state.gateway
+    spec = _spec(request, body, SamplingParams(), None)
+    ids = await prompt_ids(gw, spec, owner=caller.owner, admin=caller.admin)
+    return CountTokensResponse(input_tokens=len(ids))

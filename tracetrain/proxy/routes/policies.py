@@ -7,31 +7,41 @@ here; the gateway owns the engine, so it loads the weights and switches versions
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from sqlmodel import Session
 
 from tracetrain.engines.base import EngineError
-from tracetrain.engines.publishing import Checkpoint, PublishError
+from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses
+from tracetrain.proxy.protocol import INTEGRAL, RequestModel
 from tracetrain.store import leases, queries
 from tracetrain.store.models import Policy
 
 router = APIRouter(responses=error_responses(401, 403))
 
 
-class PublishRequest(BaseModel):
-    version: int = Field(ge=1)
-    checkpoint: str
+class PublishRequest(RequestModel):
+    version: Annotated[int, Field(ge=1), INTEGRAL]
+    checkpoint: str = Field(min_length=1)
     """Directory of the checkpoint, as the gateway's machine sees it."""
     kind: Literal["full", "lora"]
+
+
+def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
+    """Whether `path` is a checkpoint directory of `kind` at all (engines/publishing.py): safetensors files, or a
+    PEFT adapter's config. Whether its tensors fit the served model is the publisher's check."""
+    if not path.is_dir():
+        return False
+    return (path / ADAPTER_CONFIG).is_file() if kind == "lora" else any(path.glob("*.safetensors"))
 
 
 @router.get("/v1/policies")
@@ -53,14 +63,18 @@ async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
 
 
 @router.post("/v1/policies", responses=error_responses(
-    409, 502, described={409: "No publisher, a version not newer than the served one, or a canary on trial",
-                         502: "The engine refused the checkpoint; it still serves the old version"}))
+    404, 409, 502, described={404: "No checkpoint of that kind at that path on the gateway's machine",
+                              409: "No publisher, a version not newer than the served one, or a canary on trial",
+                              502: "The engine refused the checkpoint; it still serves the old version"}))
 async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) -> dict[str, Any]:
     gw: Gateway = request.app.state.gateway
     path = Path(body.checkpoint)
-    if not path.is_dir():
-        raise APIError(400, f"Checkpoint directory '{path}' does not exist on the gateway's machine.",
-                       code="checkpoint_not_found", param="checkpoint")
+    # A path that names no checkpoint is the request's fault, like an unknown completion id: a 404 before the
+    # publisher runs, never a 502 from it (the publisher read the gateway's own working directory as one).
+    if not await asyncio.to_thread(_holds_checkpoint, path, body.kind):
+        what = "a PEFT adapter (adapter_config.json)" if body.kind == "lora" else "*.safetensors files"
+        raise APIError(404, f"No {body.kind} checkpoint at '{path}' on the gateway's machine: expected a directory "
+                       f"with {what}.", code="checkpoint_not_found", param="checkpoint")
     try:
         await gw.publish(Checkpoint(body.version, path, body.kind))
     except (PublishError, EngineError) as exc:
@@ -70,7 +84,7 @@ async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) ->
     return {"version": gw.engine.version, "published": True}
 
 
-class PromotionRequest(BaseModel):
+class PromotionRequest(RequestModel):
     note: str = Field(default="", max_length=2000)
     """Why, kept with the decision."""
 

@@ -26,7 +26,15 @@ from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses, generation_responses
 from tracetrain.proxy.render import canonical_message
-from tracetrain.proxy.responses_protocol import INSTRUCTIONS, ResponsesRequest, chat_tools, input_messages, output_items
+from tracetrain.proxy.responses_protocol import (
+    INSTRUCTIONS,
+    ResponsesRequest,
+    TextFormatJSONObject,
+    TextFormatJSONSchema,
+    chat_tools,
+    input_messages,
+    output_items,
+)
 from tracetrain.proxy.serving import (
     CallSpec,
     StreamRun,
@@ -71,6 +79,10 @@ async def _stored(gw: Gateway, response_id: str, caller: Caller, param: str | No
     return call
 
 
+def _metadata(body: ResponsesRequest | None) -> dict[str, Any] | None:
+    return body.metadata.model_dump(exclude_none=True) if body and body.metadata else None
+
+
 def _constraint(body: ResponsesRequest) -> Constraint | None:
     choice = body.tool_choice
     name = choice if isinstance(choice, str) or choice is None else choice.name
@@ -78,19 +90,16 @@ def _constraint(body: ResponsesRequest) -> Constraint | None:
     if forced is not None:
         return forced
     form = body.text.format if body.text else None
-    if form is not None and form.type == "json_object":
+    if isinstance(form, TextFormatJSONObject):
         return json_output(None)
-    if form is not None and form.type == "json_schema":
-        if form.schema_ is None:
-            raise APIError(400, "text.format of type json_schema needs a 'schema'.", code="invalid_value",
-                           param="text.format")
+    if isinstance(form, TextFormatJSONSchema):
         return json_output(form.schema_)
     return None
 
 
 async def _spec(gw: Gateway, request: Request, body: ResponsesRequest, caller: Caller) -> CallSpec:
     history: list[dict[str, Any]] = []
-    binding = bind(request, metadata=body.metadata, user=body.user)
+    binding = bind(request, metadata=_metadata(body), user=body.user)
     if body.previous_response_id:
         previous = await _stored(gw, body.previous_response_id, caller, "previous_response_id")
         if binding.session_id not in (None, previous.session_id):
@@ -129,7 +138,7 @@ def _shell(response_id: str, model: str, created: int, status: str, body: Respon
     """The response object's fields besides output and usage."""
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions if body else None, "metadata": (body.metadata if body else None) or {},
+            "instructions": body.instructions if body else None, "metadata": _metadata(body) or {},
             "parallel_tool_calls": False, "previous_response_id": previous,
             "temperature": body.temperature if body else None, "top_p": body.top_p if body else None,
             "tool_choice": (body.tool_choice if isinstance(body.tool_choice, str) else "auto") if body else "auto",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Body, Path, Request
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
@@ -12,7 +12,7 @@ from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import error_responses
-from tracetrain.proxy.protocol import RewardRequest, RewardResponse
+from tracetrain.proxy.protocol import RewardRequest, RewardResponse, SessionRewardRequest
 from tracetrain.store import queries
 from tracetrain.store.models import Reward
 
@@ -27,9 +27,9 @@ def combine(reward: float | dict[str, float], weights: dict[str, float]) -> floa
     return float(reward)
 
 
-async def _target(gw: Gateway, body: RewardRequest, path_session: str | None) -> tuple[str, str | None]:
+async def _target(gw: Gateway, body: SessionRewardRequest, path_session: str | None) -> tuple[str, str | None]:
     """(session id, call id) the reward is for."""
-    session_id = body.session_id or path_session
+    session_id = body.session_id or path_session  # an empty session_id names none, as in a binding
     if body.completion_id is None:
         if session_id is None:
             raise APIError(400, "Give a session_id or a completion_id.", code="missing_target")
@@ -45,7 +45,7 @@ async def _target(gw: Gateway, body: RewardRequest, path_session: str | None) ->
     return call.session_id, call.id
 
 
-async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
+async def post_reward(request: Request, body: SessionRewardRequest, caller: CallerDep,
                       path_session: str | None = None) -> RewardResponse:
     gw: Gateway = request.app.state.gateway
     session_id, call_id = await _target(gw, body, path_session)
@@ -90,12 +90,12 @@ async def post_reward(request: Request, body: RewardRequest, caller: CallerDep,
 
 
 @router.post("/v1/rewards", response_model=RewardResponse)
-async def rewards(request: Request, body: RewardRequest, caller: CallerDep) -> RewardResponse:
+async def rewards(request: Request, body: Annotated[RewardRequest, Body()], caller: CallerDep) -> RewardResponse:
     return await post_reward(request, body, caller)
 
 
 @router.post("/s/{session}/v1/rewards", response_model=RewardResponse)
 @router.post("/s/{session}/g/{group}/v1/rewards", response_model=RewardResponse)
-async def session_rewards(request: Request, body: RewardRequest, caller: CallerDep,
+async def session_rewards(request: Request, body: SessionRewardRequest, caller: CallerDep,
                           session: Annotated[str, Path()]) -> RewardResponse:
     return await post_reward(request, body, caller, path_session=session)

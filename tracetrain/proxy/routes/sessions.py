@@ -42,8 +42,9 @@ async def list_sessions(
         None, allow_inf_nan=False, description="Bounds on the reward the trainer uses (sessions without one "
         "match no bound)."),
     group: str | None = Query(None, max_length=256), model: str | None = Query(None, max_length=256),
-    q: str | None = Query(None, min_length=1, max_length=256,
-                          description="Case-insensitive text in any stored message or reply of the session."),
+    q: str | None = Query(None, min_length=1, max_length=256, pattern="^[^\\x00]+$",
+                          description="Case-insensitive text in any stored message or reply of the session (no NUL "
+                          "character: SQLite's text search cannot take one)."),
     excluded: bool | None = None, trained: bool | None = Query(None, description="Whether a trainer learned from it."),
     sort: Literal["created", "updated", "reward", "calls", "tokens"] = "created",
     order: Literal["asc", "desc"] = "desc",

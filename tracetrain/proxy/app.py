@@ -88,7 +88,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         # What is loaded by now (transformers, the tokenizer, templates, routes: ~340k objects) lives as
-        # long as the process. Frozen, the collector's full passes skip it: each walked all of it (~180 ms).
+        # long as the process. Frozen, the collector's full passes skip it instead of walking all of it.
         gc.freeze()
         try:
             yield

@@ -7,8 +7,8 @@ role, text, final and `[DONE]` events cost five of them where two do. A body abo
 `ready` cannot see (the call's record) yields `FLUSH` first, so that its text does not wait with it.
 
 Starlette's `StreamingResponse` watches for the client's disconnect with an anyio task group per
-response (under uvicorn, whose ASGI spec version is below 2.4); that group was ~5% of the gateway's
-CPU on streamed calls (profiled at 16 connections). Here the watch is one plain task whose completion
+response (under uvicorn, whose ASGI spec version is below 2.4); that group was a visible share of the
+gateway's CPU on streamed calls when profiled. Here the watch is one plain task whose completion
 cancels the task sending the body: the same behaviour, a client that leaves stops its generation at
 once (the body's `finally` cancels the engine request), for less.
 """

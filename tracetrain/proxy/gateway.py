@@ -58,9 +58,9 @@ class Gateway:
         self.renderer = ChatRenderer(tokenizer, template=template)
         self.db = db
         self._inline_reads = db.dialect.name == "sqlite"
-        """Point lookups on the event loop: a local SQLite primary-key read (tens of µs, never blocked
-        by a writer in WAL mode) costs less than the hop to a worker thread and back (two context
-        switches, ~80 µs of CPU); a PostgreSQL read is a network round trip and takes the thread."""
+        """Point lookups on the event loop: a local SQLite primary-key read (never blocked by a writer
+        in WAL mode) costs less than the hop to a worker thread and back (two context switches); a
+        PostgreSQL read is a network round trip and takes the thread."""
         self.requests_in_flight = 0
         """HTTP requests in progress, a stream until its last byte (counted by proxy/app.py's `InFlight`)."""
         # Alone on the event loop, a commit there costs less than the hop to the writer's thread.

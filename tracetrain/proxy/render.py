@@ -126,7 +126,7 @@ class ChatRenderer:
             found = _DEFAULT_SYSTEM_RE.search(own)
             self.default_system = found.group(1).replace("\\n", "\n") if found else None
         # The Rust tokenizer itself when there is one: transformers' `encode` goes through `encode_batch`,
-        # whose thread pool cost the gateway ~150 µs per call under load (profiled); same ids.
+        # whose thread pool showed up in the gateway's profile under load; same ids.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         vocab = tokenizer.get_vocab()
         self.turn_end_id: int | None = vocab.get("<|im_end|>", tokenizer.eos_token_id)

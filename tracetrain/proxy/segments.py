@@ -3,8 +3,8 @@
 A tokenizer splits its input at its added tokens (`<|im_start|>`, `<|im_end|>`, …) before anything
 else and encodes the text between them on its own. A rendered chat prompt is mostly such pieces, and
 many repeat from call to call: the system prompt, the tool list, `assistant\\n`. Encoding was the largest
-single cost of the gateway's CPU per call (a quarter at concurrency 1 and 64, profiled; the byte-level
-pre-tokenizer's regex is most of it), and agents send the same system prompt and tools with every new
+single cost of the gateway's CPU per call when profiled (the byte-level pre-tokenizer's regex is most of
+it), and agents send the same system prompt and tools with every new
 session, so remembered pieces save most of it there.
 
 A piece seen for the first time (the new user message) is split further, into words, and words repeat
@@ -12,11 +12,9 @@ across messages even when messages do not. The split is at a space between an AS
 an ASCII letter: byte-level BPE pre-tokenizers (GPT-2's pattern, and Llama 3's and Qwen's) always start a
 pre-token there (` ?\\p{L}+`, `[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`: only whitespace runs cross a space, and the
 character before is none), none of their patterns looks behind, and BPE never merges across pre-tokens,
-so each word encodes alone as it does in the whole text. A remembered word is a dict lookup in C, where
-the pre-tokenizer took ~1 µs per word; a word not seen before costs a tokenizer call of its own (~7 µs).
-Measured on 150-word messages: 164 µs whole against 33 µs by words when every word was seen before,
-about 240 against 145–210 µs when one word in eight carries a new number; docstrings seen for the first
-time: 182 against 96 µs.
+so each word encodes alone as it does in the whole text. A remembered word is a dict lookup in C, cheaper
+than the pre-tokenizer's pass over it; a word not seen before costs a tokenizer call of its own. The
+figures from when this was measured are in the commit that added it.
 
 Numbers are split further where the vocabulary allows it. Ids, counts and paths put a new number in
 many messages ("trace48213"), which made the whole word new. In a vocabulary where no token holds an ASCII
@@ -27,8 +25,7 @@ space in front of it where that space starts a word (after a letter or digit), e
 where they follow anything but whitespace. Digits after a whitespace run are left in their word: cut
 there, the run would end a text, where a pre-tokenizer's look-ahead (`\\s+(?!\\S)`) splits it differently.
 A run of digits, with the one space before it, then costs a dict lookup per digit and is not remembered
-(numbers rarely repeat, and would push words out). Measured on the bench's 150-word messages with one
-new number in eight words: 62 µs against 143–161 µs by words alone.
+(numbers rarely repeat, and would push words out).
 
 Whether pieces encode exactly as the whole text does depends on the tokenizer (a Metaspace pre-tokenizer
 that marks only the first piece would not), so it is checked on sample prompts when the encoder is made;

@@ -228,8 +228,8 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     prompt_delta = plan.prompt_ids[plan.prefix_len :]
     latency_ms = (time.perf_counter() - turn.started) * 1000
     inherited = _inherited_messages(turn)
-    # Plain rows, not `Call` objects: the ORM's per-instance bookkeeping was 5–9% of the gateway's CPU
-    # per call (profiled), and the rows go to a Core insert anyway. Keys are the `calls` columns.
+    # Plain rows, not `Call` objects: the ORM's per-instance bookkeeping showed in the gateway's profile,
+    # and the rows go to a Core insert anyway. Keys are the `calls` columns.
     now = utcnow()
     rows: list[dict[str, Any]] = []
     for choice, reply in zip(turn.choices, replies, strict=True):

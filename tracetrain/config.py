@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -286,6 +287,15 @@ class Config(BaseSettings):
     metrics_key: Literal["none", "any", "admin"] = "none"
     """Who may read `/metrics`: anyone (`none`, for a scraper on a private network), any configured key
     (`any`), or the admin key only (`admin`). Scrapers send the key as `Authorization: Bearer`."""
+    redaction: Literal["off", "detect", "redact"] = "redact"
+    """Personal data and secrets in what is stored (e-mail addresses, phone, card and IBAN numbers, API
+    keys and bearer tokens, IP addresses, and `redaction_patterns`): `redact` stores each as a typed
+    placeholder (`[EMAIL]`) and masks its tokens out of training; `detect` only counts them (per call and
+    session, by type) and stores everything as sent; `off` runs no detector. Agents get real replies in
+    every mode."""
+    redaction_patterns: dict[str, str] = Field(default_factory=dict)
+    """More detectors: placeholder name to regular expression (`{"employee_id": "EMP-\\d{6}"}` stores
+    `[EMPLOYEE_ID]`); they take precedence over the built-in ones."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Requests with a larger body are refused with 413."""
     chat_template: Path | None = None
@@ -333,6 +343,18 @@ class Config(BaseSettings):
     margin, in reward units)."""
     canary_alpha: float = Field(default=0.05, gt=0, lt=1)
     """Error rate of the sequential test, valid however often it is evaluated."""
+
+    @field_validator("redaction_patterns")
+    @classmethod
+    def _check_patterns(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, pattern in value.items():
+            if not name.replace("_", "").isalnum():
+                raise ValueError(f"redaction pattern name {name!r}: use letters, digits and underscores")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"redaction pattern {name!r} is not a regular expression: {exc}") from exc
+        return value
 
     @field_validator("engine_url", mode="before")
     @classmethod

@@ -76,6 +76,7 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
         assert old is not None
         assert (old.model, old.calls, old.tokens, old.reward, old.reward_override, old.excluded) == (
             "tiny", 1, 8, 1.0, None, False)
+        assert old.redactions is None and old_call.redactions is None, "nothing was redacted before 0010"
     (segment,) = trajectory["segments"]
     assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")

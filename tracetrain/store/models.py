@@ -62,6 +62,8 @@ class AgentSession(AgentSessionBase, table=True):
     """Why the online trainer set it aside (`stale`, `zero_variance`, `no_samples`): it stays
     unconsumed (`trained_version` None) for offline algorithms and export. (Stores written by 0.1 have
     the reason together with a `trained_version`.)"""
+    redactions: dict[str, int] | None = Field(default=None, sa_column=Column(JSON))
+    """What redaction found in the session's stored calls, by type (`{"EMAIL": 2}`); None: nothing."""
 
 
 class AgentSessionPublic(AgentSessionBase):
@@ -76,6 +78,7 @@ class AgentSessionPublic(AgentSessionBase):
     policy_version: int | None = None
     trained_version: int | None = None
     skip_reason: str | None = None
+    redactions: dict[str, int] | None = None
 
 
 class CallBase(SQLModel):
@@ -116,10 +119,15 @@ class Call(CallBase, table=True):
     call's (`parent_id`): a 50-turn session stores its history once, not 50 times."""
     response_message: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
     request_params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    redactions: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    """What redaction found in this call (`counts` by type) and, under `redaction: redact`, the token
+    ranges it masked: `prompt` in `prompt_ids`, `completion` in `completion_ids`, as [start, end) pairs.
+    Masked ids hold a filler id and are out of the loss (docs/architecture.md, "Redaction")."""
 
 
 class CallPublic(CallBase):
     response_message: dict[str, Any]
+    redactions: dict[str, Any] | None = None
 
 
 class RewardBase(SQLModel):

@@ -28,7 +28,7 @@ _CALLS: Table = Call.__table__  # type: ignore[attr-defined]
 SESSION_COLUMNS = tuple(_SESSIONS.columns.keys())
 CALL_COLUMNS = tuple(_CALLS.columns.keys())
 """What a row handed to `record_calls` carries: every column of `calls` but `seq` and `link`, which
-the write decides."""
+the write decides (and `redactions`, None when left out)."""
 _INSERT_SESSION = {name: Prepared(dialect.insert(_SESSIONS).on_conflict_do_nothing(), SESSION_COLUMNS)
                    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))}
 _TOUCH_SESSION = Prepared(update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid")).values(
@@ -57,7 +57,7 @@ def session_row(*, id: str, group_id: str, owner: str | None, policy_version: in
 
 
 _SESSION_DEFAULTS = {"status": "open", "reward": None, "reward_override": None, "excluded": False, "lease_owner": None,
-                     "lease_until": None, "trained_version": None, "skip_reason": None}
+                     "lease_until": None, "trained_version": None, "skip_reason": None, "redactions": None}
 if set(SESSION_COLUMNS) - _SESSION_DEFAULTS.keys() != {"id", "group_id", "owner", "created_at", "updated_at",
                                                        "model", "calls", "tokens", "policy_version"}:
     raise RuntimeError("the sessions table changed: give its new column a default in _SESSION_DEFAULTS")
@@ -129,7 +129,8 @@ def list_policies(db: Session) -> Sequence[Policy]:
 
 
 def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | None,
-                 rows: list[dict[str, Any]], check_rollback: bool = False) -> int:
+                 rows: list[dict[str, Any]], check_rollback: bool = False,
+                 redactions: dict[str, int] | None = None) -> int:
     """The serving core's write for one request: its session (`new_session`, the keyword arguments of
     `session_row` but model, calls and tokens; inserted if new, else touched) and one call row per
     choice (`CALL_COLUMNS` but seq and link); returns the request's call number.
@@ -142,7 +143,10 @@ def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | 
     `check_rollback` (canary promotion): a session created here by a call of a version rolled back
     meanwhile (routed before the rollback, recorded after it) is set aside at once, as the rollback did
     for the sessions stored before it. The check holds the policy row's share lock, so a rollback
-    deciding just now waits for this write and then sets the session aside itself."""
+    deciding just now waits for this write and then sets the session aside itself.
+
+    `redactions`: what redaction found in this request's stored messages and replies, by type, added to
+    the session's counts."""
     conn = db.connection()
     parent, link = rows[0]["parent_id"], rows[0]["link"]
     # The session's counts for the console's list: choices share the request's new prompt tokens.
@@ -152,17 +156,31 @@ def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | 
     if session is not None and check_rollback and session["policy_version"] is not None and \
             _PROMOTION_LOCKED.execute(conn, {"v": session["policy_version"]}).fetchone() == (ROLLED_BACK,):
         session["skip_reason"] = ROLLED_BACK
+    if session is not None and redactions:
+        session["redactions"] = redactions
     if session is not None and add_session_if_absent(db, row=session):
         seq = 0  # created just now, in this transaction: it has no calls and no parent to contend for
     else:
         _TOUCH_SESSION.execute(conn, {"sid": session_id, "now": utcnow(), "n": len(rows), "t": tokens})
+        if redactions:
+            _add_redactions(conn, session_id, redactions)
         current = _NEXT_SEQ.execute(conn, {"sid": session_id}).fetchone()[0]
         seq = 0 if current is None else int(current) + 1
         if link == "extend" and parent is not None and \
                 _CHAINED_CHILD.execute(conn, {"sid": session_id, "parent": parent}).fetchone() is not None:
             link = "branch"  # another process extended the parent first
-    _INSERT_CALLS.execute(conn, [{**row, "seq": seq, "link": link} for row in rows])
+    _INSERT_CALLS.execute(conn, [{"redactions": None, **row, "seq": seq, "link": link} for row in rows])
     return seq
+
+
+def _add_redactions(conn: Connection, session_id: str, counts: dict[str, int]) -> None:
+    """Add to a session's counts. The row is locked by the touch before (PostgreSQL; SQLite's writer holds
+    the file), so reading and writing back loses no other process's counts."""
+    stored = conn.execute(core_select(_SESSIONS.c.redactions).where(_SESSIONS.c.id == session_id)).scalar()
+    merged = dict(stored or {})
+    for kind, n in counts.items():
+        merged[kind] = merged.get(kind, 0) + n
+    conn.execute(update(_SESSIONS).where(_SESSIONS.c.id == session_id).values(redactions=merged))
 
 
 def add_reward(db: Session, *, reward: Reward) -> None:

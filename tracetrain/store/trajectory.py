@@ -2,7 +2,7 @@
 
 A session is a tree of calls; each leaf gives one trajectory (root-to-leaf path). Along a path, calls
 linked by `extend`/`branch` share one token chain and form one segment; any other link starts a new
-segment, whose reason is kept.
+segment, whose reason is kept. Sampled tokens that redaction masked are out of the loss mask.
 """
 
 from __future__ import annotations
@@ -23,6 +23,24 @@ def full_ids(call: Call, by_id: dict[str, Call]) -> list[int]:
         parts.append(decode_ids(node.prompt_ids))
         node = by_id.get(node.parent_id) if node.parent_id and node.link in CHAINED_LINKS else None
     return [token for part in reversed(parts) for token in part]
+
+
+def sampled_mask(call: Call, n: int) -> list[int]:
+    """1 on each sampled token but those redaction masked: the model is never trained to write them."""
+    mask = [1] * n
+    for start, end in (call.redactions or {}).get("completion", ()):
+        mask[start:end] = [0] * (end - start)
+    return mask
+
+
+def chain_redacted(call: Call, by_id: dict[str, Call]) -> bool:
+    """Whether any token of the call's whole chain was masked by redaction (stored as a filler id)."""
+    node: Call | None = call
+    while node is not None:
+        if (node.redactions or {}).get("prompt") or (node.redactions or {}).get("completion"):
+            return True
+        node = by_id.get(node.parent_id) if node.parent_id and node.link in CHAINED_LINKS else None
+    return False
 
 
 def _path(leaf: Call, by_id: dict[str, Call]) -> list[Call]:
@@ -47,7 +65,7 @@ def _segments(path: list[Call]) -> list[dict[str, Any]]:
         sampled = decode_ids(call.completion_ids)
         seg["call_ids"].append(call.id)
         seg["token_ids"] += prompt + sampled
-        seg["loss_mask"] += [0] * len(prompt) + [1] * len(sampled)
+        seg["loss_mask"] += [0] * len(prompt) + sampled_mask(call, len(sampled))
         seg["logprobs"] += [0.0] * len(prompt) + decode_floats(call.completion_logprobs)
         seg["policy_versions"] += [-1] * len(prompt) + [call.policy_version] * len(sampled)
     return segments

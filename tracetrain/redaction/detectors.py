@@ -98,18 +98,36 @@ def _ip(text: str) -> bool:
     return not (address.is_loopback or address.is_unspecified)
 
 
-DETECTORS: tuple[tuple[str, re.Pattern[str], Check | None], ...] = (
-    ("SECRET", _KEY, None),
-    ("SECRET", _BEARER, None),
-    ("EMAIL", _EMAIL, None),
-    ("IBAN", _IBAN, _iban),
-    ("CARD", _CARD, _card),
-    ("IP", _IPV4, _ip),
-    ("IP", _IPV6, lambda t: t.count(":") >= 2 and sum(c not in ":" for c in t) >= 2 and _ip(t)),
-    ("PHONE", _PHONE, _phone),
-    ("SECRET", _RANDOM, _random_key),
+_KEY_PREFIXES = ("sk-", "_live_", "_test_", "gh", "github_pat_", "xox", "AKIA", "ASIA", "AIza", "glpat-", "eyJ")
+_DIGITS = re.compile(r"\d[\d ().+-]{5,}\d|\d\.\d")
+
+
+def _has_digits(text: str) -> bool:
+    return _DIGITS.search(text) is not None
+
+
+def _always(text: str) -> bool:
+    return True
+
+
+def _long_word(text: str) -> bool:
+    return any(len(word) >= 24 for word in text.split())
+
+
+DETECTORS: tuple[tuple[str, re.Pattern[str], Check | None, Check], ...] = (
+    ("SECRET", _KEY, None, lambda t: any(p in t for p in _KEY_PREFIXES)),
+    ("SECRET", _BEARER, None, lambda t: "earer " in t),
+    ("EMAIL", _EMAIL, None, lambda t: "@" in t),
+    ("IBAN", _IBAN, _iban, _has_digits),
+    ("CARD", _CARD, _card, _has_digits),
+    ("IP", _IPV4, _ip, _has_digits),
+    ("IP", _IPV6, lambda t: t.count(":") >= 2 and sum(c not in ":" for c in t) >= 2 and _ip(t),
+     lambda t: t.count(":") >= 2),
+    ("PHONE", _PHONE, _phone, _has_digits),
+    ("SECRET", _RANDOM, _random_key, _long_word),
 )
-"""In order of precedence: where two findings overlap, the earlier detector's wins."""
+"""In order of precedence: where two findings overlap, the earlier detector's wins. The last element is a
+cheap test that the text may hold one at all (a scan of each pattern over every message is most of the cost)."""
 TYPES = ("EMAIL", "PHONE", "CARD", "IBAN", "SECRET", "IP")
 
 
@@ -117,8 +135,15 @@ def find(text: str, extra: Iterable[tuple[str, re.Pattern[str]]] = ()) -> list[F
     """Non-overlapping findings in `text`, in order; `extra` are (kind, pattern) pairs from the config,
     which take precedence over the built-in detectors."""
     taken: list[Finding] = []
-    detectors = [(kind, pattern, None) for kind, pattern in extra] + list(DETECTORS)
-    for kind, pattern, check in detectors:
+    detectors = [(kind, pattern, None, _always) for kind, pattern in extra] + list(DETECTORS)
+    digits: bool | None = None
+    for kind, pattern, check, may in detectors:
+        if may is _has_digits:
+            digits = _has_digits(text) if digits is None else digits
+            if not digits:
+                continue
+        elif not may(text):
+            continue
         for match in pattern.finditer(text):
             start, end = match.span()
             if start == end or (check is not None and not check(match.group())):

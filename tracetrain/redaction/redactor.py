@@ -7,6 +7,7 @@ hashes the same after redaction as that call's stored state (see proxy/chain.py)
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from bisect import bisect_left
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.redaction.detectors import find, replace
+from tracetrain.redaction.detectors import Finding, find, replace
 
 MODES = ("off", "detect", "redact")
 IDENTIFIERS = frozenset({"id", "tool_call_id", "tool_use_id", "call_id", "type", "role", "name"})
@@ -38,6 +39,12 @@ class Redactor:
             raise ValueError(f"redaction must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
         self.patterns = [(name.upper(), re.compile(regex)) for name, regex in (patterns or {}).items()]
+        # Agents resend their whole history with every request: each message's text is scanned once, then
+        # remembered (in this process's memory only, like the token chains).
+        self._find = functools.lru_cache(maxsize=8192)(self._scan)
+
+    def _scan(self, text: str) -> tuple[Finding, ...]:
+        return tuple(find(text, self.patterns))
 
     @property
     def active(self) -> bool:
@@ -49,13 +56,13 @@ class Redactor:
 
     def text(self, text: str, found: Found) -> str:
         """`text` with placeholders (in `detect` mode, unchanged), the findings added to `found`."""
-        findings = find(text, self.patterns)
+        findings = self._find(text)
         if not findings:
             return text
         for f in findings:
             found.counts[f.kind] += 1
             found.values.add(text[f.start:f.end])
-        return replace(text, findings) if self.redacts else text
+        return replace(text, list(findings)) if self.redacts else text
 
     def document(self, value: Any, found: Found) -> Any:
         """A JSON value with every string redacted but protocol identifiers; a new value, never the same

@@ -25,7 +25,11 @@ class ChainNode:
     """Messages of the request plus the reply: the length of history this node stands for."""
     has_child: bool = False
     request_messages: list[dict[str, Any]] | None = None
-    """The call's request messages as sent, when known: a call extending it stores only what it added."""
+    """The call's request messages as stored, when known: a call extending it stores only what it added."""
+    redacted: bool = False
+    """Read from the store with tokens masked by redaction: not the ids the engine saw."""
+    real_state: str | None = None
+    """The hash of the call's original messages and reply where redaction changed them (memory only)."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.servers import RunningGateway
 from tracetrain.config import TrainConfig
-from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.gate import REMOTE, GenerationGate, mirror_store_holds
 from tracetrain.trainer.service import remote_gate, run_standalone
 
 
@@ -80,6 +80,42 @@ async def test_gate_opens_only_when_every_holder_let_go() -> None:
     await asyncio.wait_for(waiter, 1)
     gate.open("never-held")
     assert gate.is_open()
+
+
+async def test_a_store_read_older_than_a_local_hold_does_not_undo_it() -> None:
+    """A hold placed through this process while the mirror's read of the store was under way is newer than
+    that read: the gate stays closed (and a release stays released) until a read that saw it."""
+    gate = GenerationGate()
+    reading, answer = asyncio.Event(), asyncio.Event()
+    reads: list[list[str]] = [[], [REMOTE_HOLDER], [REMOTE_HOLDER], []]
+
+    async def read_holders() -> list[str]:
+        reading.set()
+        await answer.wait()
+        answer.clear()
+        return reads.pop(0)
+
+    mirror = asyncio.create_task(mirror_store_holds(gate, read_holders, interval_s=0.01))
+    try:
+        await reading.wait()
+        gate.close(REMOTE + REMOTE_HOLDER)  # the route's hold lands while a read that predates it runs
+        answer.set()
+        await asyncio.sleep(0.05)
+        assert gate.holders == [REMOTE + REMOTE_HOLDER]  # the stale empty read did not release it
+        answer.set()  # the next read sees the hold
+        await asyncio.sleep(0.05)
+        gate.open(REMOTE + REMOTE_HOLDER)  # released here while a read that still sees the hold runs
+        answer.set()
+        await asyncio.sleep(0.05)
+        assert gate.is_open()
+        answer.set()  # the store agrees
+        await asyncio.sleep(0.05)
+        assert gate.is_open()
+    finally:
+        mirror.cancel()
+
+
+REMOTE_HOLDER = "t9"
 
 
 def test_standalone_sync_trainer_needs_the_gateway(tmp_path: Path) -> None:

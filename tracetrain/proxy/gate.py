@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,8 @@ class GenerationGate:
         self._open = asyncio.Event()
         self._open.set()
         self._holders: dict[str, asyncio.TimerHandle | None] = {}
+        self._changed: dict[str, float] = {}
+        """When each holder last closed or opened the gate (monotonic clock), for `changed_since`."""
 
     @property
     def holders(self) -> list[str]:
@@ -42,6 +46,7 @@ class GenerationGate:
             timer.cancel()
         expiry = asyncio.get_running_loop().call_later(ttl_s, self.open, holder) if ttl_s else None
         self._holders[holder] = expiry
+        self._changed[holder] = time.monotonic()
         self._open.clear()
 
     def open(self, holder: str) -> None:
@@ -49,8 +54,17 @@ class GenerationGate:
         timer = self._holders.pop(holder, None)
         if timer is not None:
             timer.cancel()
+        self._changed[holder] = time.monotonic()
         if not self._holders:
             self._open.set()
+
+    def changed_since(self, holder: str, since: float) -> bool:
+        """Whether `holder` closed or opened the gate after `since` (monotonic clock)."""
+        return self._changed.get(holder, -math.inf) > since
+
+    def hold_for_training(self, training: bool) -> None:
+        """A `sync`-mode step in this process: closed while it trains (the trainer's `hold`)."""
+        (self.close if training else self.open)("train")
 
 
 REMOTE = "remote:"
@@ -63,14 +77,19 @@ async def mirror_store_holds(gate: GenerationGate, read_holders: Callable[[], Aw
     through one gateway process (or lapsing there) reaches every process on the same store within
     `interval_s`. Runs until cancelled; a failed read keeps the gate as it is and tries again."""
     while True:
+        began = time.monotonic()
         try:
             stored = {REMOTE + holder for holder in await read_holders()}
         except Exception as exc:  # the store restarting: keep the last known state
             log.warning("reading generation holds failed: %s", exc)
         else:
             local = {h for h in gate.holders if h.startswith(REMOTE)}
+            # A hold placed or released through this process while the read ran is newer than what the
+            # read saw: leave it until the next read, which sees it too.
             for holder in stored - local:
-                gate.close(holder)
+                if not gate.changed_since(holder, began):
+                    gate.close(holder)
             for holder in local - stored:
-                gate.open(holder)
+                if not gate.changed_since(holder, began):
+                    gate.open(holder)
         await asyncio.sleep(interval_s)

@@ -157,8 +157,8 @@ def serve(config: Config, *, train: bool = False) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from tracetrain.compose import build_gateway, trainer_service
     from tracetrain.proxy.app import build_app
-    from tracetrain.proxy.gateway import Gateway
     from tracetrain.store.db import make_engine
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
@@ -168,13 +168,8 @@ def serve(config: Config, *, train: bool = False) -> None:
     with ExitStack() as stack:
         engine = build_engine(config, model_dir, stack)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        gateway = Gateway(config, engine, tokenizer, db)
-        gateway.publisher = build_publisher(config, engine, model_dir)
-        if train:
-            from tracetrain.trainer.service import TrainerThread
-
-            gateway.services.append(TrainerThread(config.train, gateway.db, model_dir, publish=gateway.publish,
-                                                  hold=gateway.hold_for_training))
+        gateway = build_gateway(config, engine, tokenizer, db, publisher=build_publisher(config, engine, model_dir),
+                                services=[trainer_service(config, db, model_dir)] if train else [])
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
                  config.host, config.port, config.host, config.port)
         if config.gateway_cpus:  # engine: transformers is refused when the config loads
@@ -265,17 +260,17 @@ def worker_app() -> Any:
     """One worker process of `serve --workers N`: a gateway over the supervisor's vLLM servers."""
     from transformers import AutoTokenizer
 
+    from tracetrain.compose import build_gateway
     from tracetrain.proxy.app import build_app
-    from tracetrain.proxy.gateway import Gateway
     from tracetrain.store.db import make_engine
 
     config = Config.model_validate_json(os.environ[WORKER_CONFIG])
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = _model_dir(config)
     engine = build_engine(config, model_dir, ExitStack())  # by URL: nothing to stop
-    gateway = Gateway(config, engine, AutoTokenizer.from_pretrained(str(model_dir)),
-                      make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous))
-    gateway.publisher = build_publisher(config, engine, model_dir)
+    gateway = build_gateway(config, engine, AutoTokenizer.from_pretrained(str(model_dir)),
+                            make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous),
+                            publisher=build_publisher(config, engine, model_dir))
     return build_app(gateway)
 
 

@@ -25,9 +25,10 @@ from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.auth import fingerprint
-from tracetrain.proxy.gateway import Gateway
 from tracetrain.store.db import make_engine
 from tracetrain.trainer.loop import Trainer
+
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 ADMIN_KEY, AGENT_A, AGENT_B = "admin-secret", "agent-a", "agent-b"
@@ -87,12 +88,8 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     """A gateway with an admin and two agent keys, a trainer on its store, and recorded sessions."""
     tmp = tmp_path_factory.mktemp("console")
-
-    def attach_publisher(gateway: Gateway) -> None:
-        gateway.publisher = InProcessPublisher(tiny_engine)
-
     gw = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp / 'console.db'}",
-                       prepare=attach_publisher, api_keys=[AGENT_A, AGENT_B], admin_key=ADMIN_KEY)
+                       publisher=InProcessPublisher(tiny_engine), api_keys=[AGENT_A, AGENT_B], admin_key=ADMIN_KEY)
 
     def publish(version: int, path: Path, kind: str) -> None:  # as a trainer in its own process does
         response = httpx.post(f"{gw.url}/v1/policies", headers=_auth(ADMIN_KEY), timeout=120,

@@ -19,9 +19,11 @@ from sqlmodel import Session, col, select
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_publish import InProcessPublisher
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.store.db import make_engine
 from tracetrain.store.models import AgentSession, Call, Policy
 from tracetrain.trainer.service import TrainerThread
+
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 
@@ -38,16 +40,14 @@ def learning_gateway(tiny_model_path: Path, tmp_path: Path, request: pytest.Fixt
     from tracetrain.engines.transformers_engine import TransformersEngine
 
     engine = TransformersEngine(tiny_model_path, model_name=MODEL)
-    trainers: list[TrainerThread] = []
+    db_url = f"sqlite:///{tmp_path / 'learn.db'}"
+    cfg = _train_config(tmp_path, **getattr(request, "param", {}))
 
-    def attach_trainer(gw: Gateway) -> None:
-        gw.publisher = InProcessPublisher(engine)
-        trainers.append(TrainerThread(_train_config(tmp_path, **getattr(request, "param", {})), gw.db,
-                                      tiny_model_path, publish=gw.publish, hold=gw.hold_for_training))
-        gw.services.append(trainers[0])
+    def trainer(publish: Any, hold: Any) -> TrainerThread:
+        return TrainerThread(cfg, make_engine(db_url), tiny_model_path, publish=publish, hold=hold)
 
-    running = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'learn.db'}", prepare=attach_trainer)
-    running.trainer = trainers[0]  # type: ignore[attr-defined]
+    running = start_gateway(engine, tiny_model_path, db_url, publisher=InProcessPublisher(engine), services=[trainer])
+    running.trainer = running.gateway.services[0]  # type: ignore[attr-defined]
     yield running
     running.stop()
 

@@ -36,11 +36,8 @@ def canary_gateway(tool_model_path: Path, tmp_path: Path) -> Iterator[RunningGat
 
     # Its own engine: the test publishes broken weights into it.
     engine = TransformersEngine(tool_model_path, model_name="tool-tiny")
-
-    def prepare(gw: Any) -> None:
-        gw.publisher = InProcessPublisher(engine)
-
-    running = start_gateway(engine, tool_model_path, f"sqlite:///{tmp_path / 'canary.db'}", prepare=prepare,
+    running = start_gateway(engine, tool_model_path, f"sqlite:///{tmp_path / 'canary.db'}",
+                            publisher=InProcessPublisher(engine),
                             promotion="canary", canary_share=SHARE, canary_min_sessions=6, canary_margin=0.1)
     yield running
     running.stop()
@@ -184,6 +181,7 @@ def _serve(model: Path, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes]
     raise RuntimeError("gateway did not become healthy")
 
 
+@pytest.mark.slow
 def test_gateway_processes_on_one_store_serve_and_drop_the_canary_together(tool_model_path: Path,
                                                                            tmp_path: Path) -> None:
     """Two `tracetrain serve` processes: the canary published through one is staged by the other from the

@@ -24,7 +24,6 @@ from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, free_port, start_gateway
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.vllm import VLLMEngine
-from tracetrain.proxy.gateway import Gateway
 
 MODEL = "tiny"
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -320,12 +319,8 @@ def test_a_method_a_path_lacks_is_405_naming_the_methods_it_has(rec: Recorded, m
 def publishing(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[Recorded]:
     """A gateway with a publisher (as `serve --train` has), and a session it recorded."""
     from tracetrain.engines.transformers_publish import InProcessPublisher
-
-    def attach(gateway: Gateway) -> None:
-        gateway.publisher = InProcessPublisher(tiny_engine)
-
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'pub.db'}",
-                            prepare=attach)
+                            publisher=InProcessPublisher(tiny_engine))
     yield _record(running, "keep-publishing")
     running.stop()
 

@@ -62,13 +62,11 @@ def replicated(vllm_server: RunningVLLM, second_server: VLLMServer, smollm2_path
                            Replica(VLLMEngine(second_server.url, vllm_server.model_name, timeout=120),
                                    server=second_server)],
                           spill_at=4, max_outstanding=4, queue_wait_s=2.0, queue_limit=4, health_interval_s=0.5)
-
-    def attach(gateway: Any) -> None:
-        gateway.publisher = ReplicaPublisher(replicas, [VLLMLoRAPublisher(r.engine, prefix=f"replica{i}")
-                                                        for i, r in enumerate(replicas.replicas)])
+    publisher = ReplicaPublisher(replicas, [VLLMLoRAPublisher(r.engine, prefix=f"replica{i}")
+                                            for i, r in enumerate(replicas.replicas)])
 
     db = tmp_path_factory.mktemp("replicas") / "store.db"
-    running = start_gateway(replicas, smollm2_path, f"sqlite:///{db}", prepare=attach)
+    running = start_gateway(replicas, smollm2_path, f"sqlite:///{db}", publisher=publisher)
     yield running
     running.stop()
 
@@ -259,13 +257,11 @@ def test_a_full_weight_canary_takes_a_replica_and_leaves_it_on_rollback(
     replicas = ReplicaSet([Replica(VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120)),
                            Replica(VLLMEngine(second_server.url, vllm_server.model_name, timeout=120))],
                           health_interval_s=0.5)
-
-    def attach(gateway: Any) -> None:
-        gateway.publisher = ReplicaPublisher(replicas, [VLLMReloadPublisher(r.engine, smollm2_path)
-                                                        for r in replicas.replicas], canary_share=0.5)
+    publisher = ReplicaPublisher(replicas, [VLLMReloadPublisher(r.engine, smollm2_path) for r in replicas.replicas],
+                                 canary_share=0.5)
 
     canary_dir, _ = save_full(load_model(smollm2_path), smollm2_path, tmp_path / "v1", seed=5)
-    running = start_gateway(replicas, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", prepare=attach,
+    running = start_gateway(replicas, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", publisher=publisher,
                             promotion="canary", canary_share=0.5, canary_min_sessions=1000,
                             canary_max_sessions=1000)  # decided by hand here
     urls = [vllm_server.url, second_server.url]

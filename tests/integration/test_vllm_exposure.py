@@ -90,11 +90,7 @@ def publishing_gateway(vllm_server: RunningVLLM, smollm2_path: Path,
                        tmp_path: Path) -> Iterator[tuple[RunningGateway, VLLMLoRAPublisher]]:
     engine = VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120)
     publisher = VLLMLoRAPublisher(engine, prefix="exposure")
-
-    def attach(gateway: object) -> None:
-        gateway.publisher = publisher  # type: ignore[attr-defined]
-
-    running = start_gateway(engine, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", prepare=attach)
+    running = start_gateway(engine, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", publisher=publisher)
     yield running, publisher
     running.stop()
 

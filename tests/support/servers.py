@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,10 @@ import httpx
 import uvicorn
 from transformers import AutoTokenizer
 
+from tracetrain.compose import ServiceFactory, build_gateway
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
+from tracetrain.engines.publishing import Publisher
 from tracetrain.proxy.app import build_app
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.store.db import make_engine
@@ -65,15 +67,14 @@ class RunningGateway:
         self.thread.join(timeout=30)
 
 
-def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *,
-                  prepare: Callable[[Gateway], None] | None = None, **config: Any) -> RunningGateway:
-    """Serve a real gateway on a free loopback port from a background thread. `prepare` may attach a
-    publisher or background services (the trainer) before it starts."""
+def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *, publisher: Publisher | None = None,
+                  services: Sequence[ServiceFactory] = (), **config: Any) -> RunningGateway:
+    """Serve a real gateway on a free loopback port from a background thread, built as `serve` builds it
+    (tracetrain/compose.py), with `publisher` and background `services` (the trainer) if given."""
     port = free_port()
     cfg = Config(port=port, db_url=db_url, served_model_name=engine.model_name, **config)
-    gateway = Gateway(cfg, engine, AutoTokenizer.from_pretrained(str(tokenizer_dir)), make_engine(db_url))
-    if prepare is not None:
-        prepare(gateway)
+    gateway = build_gateway(cfg, engine, AutoTokenizer.from_pretrained(str(tokenizer_dir)), make_engine(db_url),
+                            publisher=publisher, services=services)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

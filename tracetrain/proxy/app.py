@@ -65,7 +65,7 @@ class BodyLimit:
 
 
 class InFlight:
-    """Keep `gateway.requests_in_flight`: the store's writer commits on the event loop only while one
+    """Keep `gateway.load.requests`: the store's writer commits on the event loop only while one
     request is in progress (store/writer.py)."""
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
@@ -76,11 +76,11 @@ class InFlight:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        self.gateway.requests_in_flight += 1
+        self.gateway.load.requests += 1
         try:
             await self.app(scope, receive, send)  # returns once the response is sent, a stream's too
         finally:
-            self.gateway.requests_in_flight -= 1
+            self.gateway.load.requests -= 1
 
 
 def build_app(gateway: Gateway) -> FastAPI:

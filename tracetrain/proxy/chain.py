@@ -8,7 +8,6 @@ produced. Otherwise the call starts a new segment and the reason is recorded.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,26 +37,6 @@ class PromptPlan:
     prefix_len: int
     parent_id: str | None
     link: str
-
-
-class ChainCache:
-    """Recently used chain nodes by (session, state hash); misses fall back to the store."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._nodes: OrderedDict[tuple[str, str], ChainNode] = OrderedDict()
-
-    def get(self, session_id: str, state_hash: str) -> ChainNode | None:
-        node = self._nodes.get((session_id, state_hash))
-        if node is not None:
-            self._nodes.move_to_end((session_id, state_hash))
-        return node
-
-    def put(self, session_id: str, state_hash: str, node: ChainNode) -> None:
-        self._nodes[(session_id, state_hash)] = node
-        self._nodes.move_to_end((session_id, state_hash))
-        while len(self._nodes) > self.capacity:
-            self._nodes.popitem(last=False)
 
 
 def plan_prompt(

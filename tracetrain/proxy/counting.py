@@ -8,8 +8,8 @@ generation gate). A request in a session with calls is counted on its token chai
 
 from __future__ import annotations
 
+from tracetrain.proxy.auth import Caller
 from tracetrain.proxy.chain import plan_prompt
-from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.render import history_hashes
 from tracetrain.proxy.serving import CallSpec
@@ -19,12 +19,11 @@ async def prompt_ids(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: b
     """The exact token ids the engine would be given for `spec` now."""
     gw.check_model(spec.model)
     session_id = spec.binding.session_id
-    stored = await gw.session_info(session_id) if session_id else None
-    if stored is not None and not (admin or stored.owner == owner):
-        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
+    stored = await gw.sessions.owned(session_id, Caller(owner=owner, admin=admin), must_exist=False) \
+        if session_id else None
     parent = None
     if session_id is not None and stored is not None:
-        parent = await gw.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
+        parent = await gw.sessions.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
     plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent,
                        session_has_calls=stored is not None)
     forced = spec.constraint.forced_prefix if spec.constraint else ""

@@ -21,13 +21,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy.engine import Engine as DBEngine
 from sqlmodel import Session
 
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, PublishError
 from tracetrain.proxy import sequential
+from tracetrain.proxy.replica_sync import Read, Write
 from tracetrain.store import promotion as store
 from tracetrain.store.models import Policy
 
@@ -48,10 +48,11 @@ def assigned_to_canary(key: str, share: float) -> bool:
 
 
 class Promotion:
-    def __init__(self, config: Config, engine: Engine, db: DBEngine) -> None:
+    def __init__(self, config: Config, engine: Engine, *, read: Read, write: Write) -> None:
+        """`read` runs a query off the event loop; `write` goes through the store writer."""
         self.config = config
         self.engine = engine
-        self.db = db
+        self._read, self._write = read, write
         self.publisher: CanaryPublisher | None = None
         self.trial: Trial | None = None
         self._lock = asyncio.Lock()
@@ -81,7 +82,7 @@ class Promotion:
                 raise PublishError(f"version {self.trial.checkpoint.version} is still a canary; promote or roll it "
                                    "back first")
             await self._publisher().stage(checkpoint)
-            since = await asyncio.to_thread(self._write, lambda db: store.mark_published(
+            since = await self._write(lambda db: store.mark_published(
                 db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="canary"))
             self.trial = Trial(checkpoint, since)
             log.info("version %d is a canary for %.0f%% of new sessions", checkpoint.version,
@@ -90,7 +91,7 @@ class Promotion:
     async def decide(self, version: int, outcome: str, decision: dict[str, Any]) -> bool:
         """Store a decision (False if the canary was decided already) and apply it here."""
         async with self._lock:
-            decided = await asyncio.to_thread(self._write, lambda db: store.decide(
+            decided = await self._write(lambda db: store.decide(
                 db, version=version, outcome=outcome, decision=decision))
             if decided:
                 log.warning("version %d %s: %s", version, outcome.replace("_", " "), decision.get("reason"))
@@ -108,7 +109,7 @@ class Promotion:
             return (store.arm_rewards(db, version=canary_v, since=since),
                     store.arm_rewards(db, version=incumbent_v, since=since))
 
-        canary_r, incumbent_r = await asyncio.to_thread(self._write, rewards)
+        canary_r, incumbent_r = await self._read(rewards)
         c = self.config
         result = sequential.decide(canary_r, incumbent_r, margin=c.canary_margin, alpha=c.canary_alpha,
                                    min_sessions=c.canary_min_sessions, max_sessions=c.canary_max_sessions)
@@ -126,7 +127,7 @@ class Promotion:
             return (store.incumbent(db), store.canary(db),
                     db.get(Policy, trial.checkpoint.version) if trial is not None else None)
 
-        incumbent, canary, ours = await asyncio.to_thread(self._write, read)
+        incumbent, canary, ours = await self._read(read)
         async with self._lock:
             if self.trial is not None and ours is not None and ours.promotion != "canary":
                 await self._apply(self.trial.checkpoint.version, str(ours.promotion))
@@ -169,10 +170,6 @@ class Promotion:
         if self.publisher is None:
             raise PublishError("this gateway has no publisher")
         return self.publisher
-
-    def _write(self, fn: Any) -> Any:
-        with Session(self.db, expire_on_commit=False) as db:
-            return fn(db)
 
 
 def _checkpoint(policy: Policy) -> Checkpoint:

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tracetrain.engines.base import Affinity, EngineError, SamplingParams
+from tracetrain.proxy.auth import Caller
 from tracetrain.proxy.binding import Binding, header_value, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
 from tracetrain.proxy.constraints import Constraint
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.proxy.render import TOOL_CALL_OPEN, canonical_message, history_hashes, parse_forced_call, parse_reply
+from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request, redactor
+from tracetrain.proxy.render import TOOL_CALL_OPEN, history_hashes, parse_forced_call, parse_reply
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.messages import shared_prefix
@@ -107,6 +109,8 @@ class Turn:
     choices: list[Choice]
     pinned: int | None = None
     """The version to serve it with (canary promotion: the session's own); None: the engine's current."""
+    redaction: RequestRedaction | None = None
+    """What the request's messages hold (proxy/redact.py); None with `redaction: off`."""
     recorded: bool = False
     """Committed to the store: what a stream still sends after that needs no waiting."""
 
@@ -119,10 +123,11 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     """Bind the session (refusing another key's), admit it if new, and plan its exact prompt ids."""
     gw.check_model(spec.model)
     session_id = spec.binding.session_id or spec.completion_id
-    stored = await gw.session_info(session_id) if spec.binding.session_id else None
-    if stored is not None and not (admin or stored.owner == owner):
-        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
-    group_id = spec.binding.group_id or (stored.group_id if stored else prompt_group(spec.messages))
+    caller = Caller(owner=owner, admin=admin)
+    stored = await gw.sessions.owned(session_id, caller, must_exist=False) if spec.binding.session_id else None
+    redaction = redact_request(redactor(gw.config), spec.messages, spec.request_messages)
+    hashed = redaction.messages if redaction else spec.messages
+    group_id = spec.binding.group_id or (stored.group_id if stored else prompt_group(hashed))
     if stored is None:
         # Siblings are admitted together only in groups the agent named; a prompt-hash group can be
         # every session of an agent that asks the same thing.
@@ -130,25 +135,28 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     else:
         gw.admission.touch(session_id)
     if spec.prompt_ids is not None:
-        parent = await gw.latest_node(session_id) if stored is not None else None
+        parent = await gw.sessions.latest_node(session_id) if stored is not None else None
         plan = plan_tokens(spec.prompt_ids, parent)
     else:
         parent = None
         if stored is not None:
-            parent = await gw.find_parent(session_id, history_hashes(spec.tools, spec.messages), spec.messages)
-        plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent,
+            parent = await gw.sessions.find_parent(session_id, history_hashes(spec.tools, hashed), spec.messages)
+        exact = parent is None or extends_exactly(parent, spec.tools, spec.messages)
+        plan = plan_prompt(gw.renderer, messages=spec.messages, tools=spec.tools, parent=parent if exact else None,
                            session_has_calls=stored is not None)
+        if not exact and parent is not None:
+            plan.parent_id, plan.link = parent.call_id, "redacted"
     if plan.parent_id is None and stored is not None:
         plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
     forced = spec.constraint.forced_prefix if spec.constraint else ""
     if forced:
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
-    pinned = gw.promotion.version_for(new=stored is None, key=spec.binding.group_id or session_id,
+    pinned = gw.canary.version_for(new=stored is None, key=spec.binding.group_id or session_id,
                                       pinned=stored.version if stored else None)
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
                 started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)],
-                pinned=pinned)
+                pinned=pinned, redaction=redaction)
 
 
 def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
@@ -214,12 +222,12 @@ def finish_reason(choice: Choice, message: dict[str, Any]) -> str:
     return "tool_calls" if message.get("tool_calls") else (choice.finish_reason or "stop")
 
 
-def _inherited_messages(turn: Turn) -> int:
-    """Leading request messages the parent call already stores (see store/messages.py)."""
+def _inherited_messages(turn: Turn, sent: list[dict[str, Any]]) -> int:
+    """Leading request messages (`sent`, as stored) the parent call already stores (see store/messages.py)."""
     parent = turn.parent
     if parent is None or parent.request_messages is None or parent.call_id != turn.plan.parent_id:
         return 0
-    return shared_prefix(parent.request_messages, turn.spec.request_messages)
+    return shared_prefix(parent.request_messages, sent)
 
 
 async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None:
@@ -227,15 +235,27 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     plan, spec = turn.plan, turn.spec
     prompt_delta = plan.prompt_ids[plan.prefix_len :]
     latency_ms = (time.perf_counter() - turn.started) * 1000
-    inherited = _inherited_messages(turn)
+    redacting, found = redactor(gw.config), turn.redaction
+    sent = found.sent if found else spec.request_messages
+    inherited = _inherited_messages(turn, sent)
+    # What the store gets: placeholders and masked ids where redaction found something (proxy/redact.py).
+    kept = keep_call(redacting, gw.renderer, found, prompt_delta=prompt_delta, replies=replies, inherited=inherited,
+                     choices=[(c.text, c.token_ids) for c in turn.choices])
+    real_states: list[str | None] = []
     # Plain rows, not `Call` objects: the ORM's per-instance bookkeeping showed in the gateway's profile,
     # and the rows go to a Core insert anyway. Keys are the `calls` columns.
     now = utcnow()
     rows: list[dict[str, Any]] = []
     for choice, reply in zip(turn.choices, replies, strict=True):
-        state = (hashlib.sha256(encode_ids(plan.prompt_ids + choice.token_ids)).hexdigest()
-                 if spec.prompt_ids is not None else history_hashes(spec.tools, [*spec.messages,
-                                                                                 canonical_message(reply)])[-1])
+        i = choice.index
+        if spec.prompt_ids is None:
+            state, real = chat_states(redacting, found, spec.tools, spec.messages, reply)
+        elif kept.redactions[i] is None:
+            state, real = hashlib.sha256(encode_ids(plan.prompt_ids + choice.token_ids)).hexdigest(), None
+        else:  # a hash of ids that spell a secret would keep it: hash what is stored
+            stored_ids = encode_ids(kept.prompt_ids + kept.completions[i]) + (plan.parent_id or "").encode()
+            state, real = hashlib.sha256(stored_ids).hexdigest(), None
+        real_states.append(real)
         rows.append({
             "id": f"{spec.completion_id}-{choice.index}", "completion_id": spec.completion_id,
             "choice_index": choice.index, "session_id": turn.session_id, "group_id": turn.group_id, "seq": 0,
@@ -244,10 +264,10 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
             "finish_reason": finish_reason(choice, reply), "prefix_len": plan.prefix_len,
             "prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(choice.token_ids),
             "latency_ms": latency_ms, "created_at": now, "owner": turn.owner, "state_hash": state,
-            "prompt_ids": encode_ids(prompt_delta), "completion_ids": encode_ids(choice.token_ids),
+            "prompt_ids": encode_ids(kept.prompt_ids), "completion_ids": encode_ids(kept.completions[i]),
             "completion_logprobs": encode_floats(choice.logprobs),
-            "messages": spec.request_messages[inherited:], "messages_inherited": inherited,
-            "response_message": reply,
+            "messages": sent[inherited:], "messages_inherited": inherited,
+            "response_message": kept.replies[i], "redactions": kept.redactions[i],
             "request_params": {**spec.params.__dict__, **spec.record_params, **(choice.route or {})},
         })
 
@@ -255,16 +275,17 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
                    policy_version=rows[0]["policy_version"]) if turn.new_session else None
     check_rollback = gw.config.promotion == "canary"
     await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
-                                                           rows=rows, check_rollback=check_rollback))
-    gw.note_served(max(row["policy_version"] for row in rows))
+                                                           rows=rows, check_rollback=check_rollback,
+                                                           redactions=kept.counts))
+    gw.publishing.note_served(max(row["policy_version"] for row in rows))
     if turn.new_session:
-        gw.new_session(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
+        gw.sessions.new(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
         gw.metrics.sessions.inc()
     chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
-    gw.remember_calls(turn.session_id, [(row["id"], row["state_hash"]) for row in rows], chains,
-                      len(spec.messages) + 1, spec.request_messages)
+    gw.sessions.remember_calls(turn.session_id, [(row["id"], row["state_hash"]) for row in rows], chains,
+                               len(spec.messages) + 1, sent, real_states=real_states)
     # Every call, whatever its API: a text completion in the same session extends the latest one.
-    gw.remember_latest(turn.session_id, ChainNode(rows[0]["id"], chains[0], 0))
+    gw.sessions.remember_latest(turn.session_id, ChainNode(rows[0]["id"], chains[0], 0))
     if turn.parent is not None and plan.link in CHAINED_LINKS:
         turn.parent.has_child = True
     turn.recorded = True

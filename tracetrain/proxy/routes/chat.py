@@ -21,7 +21,7 @@ from tracetrain.proxy.binding import bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import STORE_ERRORS, APIError, error_body, store_error
 from tracetrain.proxy.event_stream import FLUSH, EventStream
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import (
     ChatCompletionChoice,
@@ -193,9 +193,8 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
 @router.post("/s/{session}/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
 @router.post("/s/{session}/g/{group}/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATING)
-async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
+async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep, response: Response,
                            caller: CallerDep) -> Any:
-    gw: Gateway = request.app.state.gateway
     async with counted(gw, body.stream):
         turn = await prepare(gw, _spec(request, body, gw.config.default_max_tokens), owner=caller.owner,
                              admin=caller.admin)

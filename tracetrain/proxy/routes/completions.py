@@ -23,7 +23,7 @@ from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.binding import BindingId, bind
 from tracetrain.proxy.errors import APIError, error_body, refusal
 from tracetrain.proxy.event_stream import FLUSH, EventStream
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import generation_responses
 from tracetrain.proxy.protocol import INTEGRAL, NO_PENALTY, SEED_MAX, SEED_MIN, Metadata, RequestModel, neutral_only
 from tracetrain.proxy.serving import (
@@ -212,8 +212,8 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: CompletionReque
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATING)
 @router.post("/s/{session}/v1/completions", response_model=CompletionResponse, responses=GENERATING)
 @router.post("/s/{session}/g/{group}/v1/completions", response_model=CompletionResponse, responses=GENERATING)
-async def completions(body: CompletionRequest, request: Request, response: Response, caller: CallerDep) -> Any:
-    gw: Gateway = request.app.state.gateway
+async def completions(body: CompletionRequest, request: Request,
+                      gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
         turn = await prepare(gw, _spec(gw, request, body), owner=caller.owner, admin=caller.admin)
         if body.stream:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from prometheus_client import Counter
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import AdminDep, CallerDep
 from tracetrain.proxy.console_protocol import LastPublish, Overview, TrafficCounters, TrainerState, WhoAmI
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import console, leases
 
@@ -20,9 +20,8 @@ router = APIRouter()
 
 
 @router.get("/v1/whoami", response_model=WhoAmI, responses=error_responses(401))
-async def whoami(request: Request, caller: CallerDep) -> WhoAmI:
+async def whoami(gw: GatewayDep, caller: CallerDep) -> WhoAmI:
     """The caller's key fingerprint and whether it is the admin key."""
-    gw: Gateway = request.app.state.gateway
     return WhoAmI(owner=caller.owner, admin=caller.admin, keys_required=not gw.keys.open)
 
 
@@ -42,10 +41,9 @@ def _counters(gw: Gateway) -> TrafficCounters:
 
 
 @router.get("/v1/overview", response_model=Overview, responses=error_responses(401, 403))
-async def overview(request: Request, _: AdminDep) -> Overview:
+async def overview(gw: GatewayDep, _: AdminDep) -> Overview:
     """Traffic counters of this gateway process, sessions by status, the served version, the trainer's
     state and the newest version's publish."""
-    gw: Gateway = request.app.state.gateway
 
     def read(db: Session) -> tuple[dict[str, int], int, int, Any]:
         return console.status_counts(db), leases.ready_count(db), leases.leased_count(db), leases.latest_policy(db)

@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body
 from sqlmodel import Session
 
-from tracetrain.proxy.auth import AdminDep, Caller
+from tracetrain.proxy.auth import ADMIN, AdminDep, Caller
 from tracetrain.proxy.console_protocol import ActionList, CorrectionResponse, NoteRequest, RewardOverrideRequest
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import corrections
 from tracetrain.store.models import AgentSession, SessionAction, SessionActionPublic
@@ -29,12 +29,10 @@ def _missing(session_id: str) -> APIError:
     return APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
 
 
-async def _apply(request: Request, session_id: str, change: Change, unchanged: APIError | None = None,
+async def _apply(gw: Gateway, session_id: str, change: Change, unchanged: APIError | None = None,
                  ) -> CorrectionResponse:
     """Run `change` through the store writer; `unchanged` is the error to answer when it recorded nothing."""
-    gw: Gateway = request.app.state.gateway
-    if await gw.session_info(session_id) is None:
-        raise _missing(session_id)
+    await gw.sessions.owned(session_id, ADMIN)
 
     def write(db: Session) -> CorrectionResponse | bool:
         done = change(db)
@@ -55,52 +53,50 @@ async def _apply(request: Request, session_id: str, change: Change, unchanged: A
     return result
 
 
-async def _exclusion(request: Request, session_id: str, caller: Caller, body: NoteRequest | None,
+async def _exclusion(gw: Gateway, session_id: str, caller: Caller, body: NoteRequest | None,
                      excluded: bool) -> CorrectionResponse:
     note = body.note if body is not None else ""
-    return await _apply(request, session_id, lambda db: corrections.set_excluded(
+    return await _apply(gw, session_id, lambda db: corrections.set_excluded(
         db, session_id=session_id, excluded=excluded, actor=caller.owner, note=note))
 
 
 @router.post("/v1/sessions/{session_id}/exclude", response_model=CorrectionResponse)
-async def exclude(request: Request, session_id: str, caller: AdminDep,
+async def exclude(gw: GatewayDep, session_id: str, caller: AdminDep,
                   body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
     """Keep the session out of training (online and offline) until it is included again."""
-    return await _exclusion(request, session_id, caller, body, True)
+    return await _exclusion(gw, session_id, caller, body, True)
 
 
 @router.post("/v1/sessions/{session_id}/include", response_model=CorrectionResponse)
-async def include(request: Request, session_id: str, caller: AdminDep,
+async def include(gw: GatewayDep, session_id: str, caller: AdminDep,
                   body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
     """Let an excluded session be trained on again."""
-    return await _exclusion(request, session_id, caller, body, False)
+    return await _exclusion(gw, session_id, caller, body, False)
 
 
 @router.post("/v1/sessions/{session_id}/reward_override", response_model=CorrectionResponse)
-async def reward_override(request: Request, session_id: str, body: RewardOverrideRequest,
+async def reward_override(gw: GatewayDep, session_id: str, body: RewardOverrideRequest,
                           caller: AdminDep) -> CorrectionResponse:
     """Make `reward` the session's reward for training, in place of every posted reward."""
-    return await _apply(request, session_id, lambda db: corrections.override_reward(
+    return await _apply(gw, session_id, lambda db: corrections.override_reward(
         db, session_id=session_id, reward=body.reward, actor=caller.owner, note=body.note))
 
 
 @router.delete("/v1/sessions/{session_id}/reward_override", response_model=CorrectionResponse,
                responses=error_responses(409))
-async def clear_reward_override(request: Request, session_id: str, caller: AdminDep,
+async def clear_reward_override(gw: GatewayDep, session_id: str, caller: AdminDep,
                                 body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
     """Remove the session's reward override: its reward for training is the sum of its posted rewards
     again (per-call ones included; none posted: no reward). 409 `no_reward_override` when it has none."""
     note = body.note if body is not None else ""
     unchanged = APIError(409, f"Session '{session_id}' has no reward override to clear.", code="no_reward_override")
-    return await _apply(request, session_id, lambda db: corrections.clear_reward_override(
+    return await _apply(gw, session_id, lambda db: corrections.clear_reward_override(
         db, session_id=session_id, actor=caller.owner, note=note), unchanged)
 
 
 @router.get("/v1/sessions/{session_id}/actions", response_model=ActionList)
-async def actions(request: Request, session_id: str, _: AdminDep) -> ActionList:
+async def actions(gw: GatewayDep, session_id: str, _: AdminDep) -> ActionList:
     """Every correction made to the session, oldest first."""
-    gw: Gateway = request.app.state.gateway
-    if await gw.session_info(session_id) is None:
-        raise _missing(session_id)
+    await gw.sessions.owned(session_id, ADMIN)
     rows = await gw.read(lambda db: corrections.session_actions(db, session_id=session_id))
     return ActionList(data=[SessionActionPublic.model_validate(r) for r in rows])

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.gate import REMOTE
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.protocol import RequestModel
 from tracetrain.store import holds
@@ -40,21 +40,19 @@ def _state(gw: Gateway) -> dict[str, Any]:
 
 
 @router.get("/v1/generation")
-async def generation_state(request: Request, _: AdminDep) -> dict[str, Any]:
-    return _state(request.app.state.gateway)
+async def generation_state(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
+    return _state(gw)
 
 
 @router.post("/v1/generation/hold")
-async def hold_generation(request: Request, body: HoldRequest, _: AdminDep) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def hold_generation(gw: GatewayDep, body: HoldRequest, _: AdminDep) -> dict[str, Any]:
     await gw.writer.submit(lambda db: holds.hold(db, holder=body.holder, ttl_s=body.ttl_s))
     gw.gate.close(REMOTE + body.holder, body.ttl_s)  # here at once; other processes within a poll
     return _state(gw)
 
 
 @router.post("/v1/generation/release")
-async def release_generation(request: Request, body: ReleaseRequest, _: AdminDep) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def release_generation(gw: GatewayDep, body: ReleaseRequest, _: AdminDep) -> dict[str, Any]:
     await gw.writer.submit(lambda db: holds.release(db, holder=body.holder))
     gw.gate.open(REMOTE + body.holder)
     return _state(gw)

@@ -25,7 +25,7 @@ from tracetrain.proxy.constraints import forced_call
 from tracetrain.proxy.counting import prompt_ids
 from tracetrain.proxy.errors import anthropic_error_body
 from tracetrain.proxy.event_stream import FLUSH, EventStream
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.messages_protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -196,8 +196,8 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: MessagesRequest
 @router.post("/v1/messages", response_model=MessageResponse, responses=GENERATING)
 @router.post("/s/{session}/v1/messages", response_model=MessageResponse, responses=GENERATING)
 @router.post("/s/{session}/g/{group}/v1/messages", response_model=MessageResponse, responses=GENERATING)
-async def messages(body: MessagesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
-    gw: Gateway = request.app.state.gateway
+async def messages(body: MessagesRequest, request: Request,
+                   gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
         turn = await prepare(gw, _spec(request, body, _sampling(body), body.metadata), owner=caller.owner,
                              admin=caller.admin)
@@ -218,10 +218,10 @@ COUNTING = error_responses(401, 403, 404, described={403: "The session belongs t
 @router.post("/s/{session}/v1/messages/count_tokens", response_model=CountTokensResponse, responses=COUNTING)
 @router.post("/s/{session}/g/{group}/v1/messages/count_tokens", response_model=CountTokensResponse,
              responses=COUNTING)
-async def count_tokens(body: CountTokensRequest, request: Request, caller: CallerDep) -> CountTokensResponse:
+async def count_tokens(body: CountTokensRequest, request: Request,
+                       gw: GatewayDep, caller: CallerDep) -> CountTokensResponse:
     """The prompt's tokens as a Messages call with these fields would send them (`input_tokens` of its usage),
     rendered by the gateway itself; under a session path, on the session's token chain. Records nothing."""
-    gw: Gateway = request.app.state.gateway
     spec = _spec(request, body, SamplingParams(), None)
     ids = await prompt_ids(gw, spec, owner=caller.owner, admin=caller.admin)
     return CountTokensResponse(input_tokens=len(ids))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlmodel import Session
 
@@ -20,7 +20,7 @@ from tracetrain.engines.base import EngineError
 from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.protocol import INTEGRAL, RequestModel
 from tracetrain.store import leases, queries
@@ -45,8 +45,7 @@ def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
 
 
 @router.get("/v1/policies")
-async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def list_policies(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
 
     def read(db: Session) -> tuple[Sequence[Policy], int, int, dict[str, int]]:
         return (queries.list_policies(db), leases.ready_count(db), leases.leased_count(db),
@@ -58,7 +57,7 @@ async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
             # Under canary promotion: the version on trial and its test's latest figures.
-            "promotion": {"mode": gw.config.promotion, "canary": gw.promotion.state()},
+            "promotion": {"mode": gw.config.promotion, "canary": gw.canary.state()},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 
@@ -66,8 +65,7 @@ async def list_policies(request: Request, _: AdminDep) -> dict[str, Any]:
     404, 409, 502, described={404: "No checkpoint of that kind at that path on the gateway's machine",
                               409: "No publisher, a version not newer than the served one, or a canary on trial",
                               502: "The engine refused the checkpoint; it still serves the old version"}))
-async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def publish_policy(gw: GatewayDep, body: PublishRequest, _: AdminDep) -> dict[str, Any]:
     path = Path(body.checkpoint)
     # A path that names no checkpoint is the request's fault, like an unknown completion id: a 404 before the
     # publisher runs, never a 502 from it (the publisher read the gateway's own working directory as one).
@@ -76,7 +74,7 @@ async def publish_policy(request: Request, body: PublishRequest, _: AdminDep) ->
         raise APIError(404, f"No {body.kind} checkpoint at '{path}' on the gateway's machine: expected a directory "
                        f"with {what}.", code="checkpoint_not_found", param="checkpoint")
     try:
-        await gw.publish(Checkpoint(body.version, path, body.kind))
+        await gw.publishing.publish(Checkpoint(body.version, path, body.kind))
     except (PublishError, EngineError) as exc:
         raise APIError(502, f"Publishing version {body.version} failed; still serving version "
                        f"{gw.engine.version}: {exc}", code="publish_failed") from exc
@@ -96,10 +94,9 @@ class PromotionResponse(BaseModel):
     """The version every new session gets now."""
 
 
-async def _decide_by_hand(request: Request, version: int, outcome: Literal["promoted", "rolled_back"],
+async def _decide_by_hand(gw: Gateway, version: int, outcome: Literal["promoted", "rolled_back"],
                           caller_owner: str | None, note: str) -> PromotionResponse:
-    gw: Gateway = request.app.state.gateway
-    trial = gw.promotion.trial
+    trial = gw.canary.trial
     if trial is None or trial.checkpoint.version != version:
         current = f"version {trial.checkpoint.version} is" if trial else "no version is"
         raise APIError(409, f"Version {version} is not a canary on this gateway ({current} on trial); only a "
@@ -108,7 +105,7 @@ async def _decide_by_hand(request: Request, version: int, outcome: Literal["prom
     decision = {**figures, "by": "admin", "actor": caller_owner, "note": note,
                 "reason": f"{outcome.replace('_', ' ')} by hand"}
     try:
-        decided = await gw.promotion.decide(version, outcome, decision)
+        decided = await gw.canary.decide(version, outcome, decision)
     except (PublishError, EngineError) as exc:
         raise APIError(502, f"Applying the decision on version {version} failed: {exc}", code="publish_failed") from exc
     if not decided:
@@ -118,16 +115,16 @@ async def _decide_by_hand(request: Request, version: int, outcome: Literal["prom
 
 @router.post("/v1/policies/{version}/promote", response_model=PromotionResponse,
              responses=error_responses(401, 403, 409, 502))
-async def promote(request: Request, version: int, caller: AdminDep,
+async def promote(gw: GatewayDep, version: int, caller: AdminDep,
                   body: PromotionRequest | None = None) -> PromotionResponse:
     """Promote a canary now: every new session gets it (the test's figures so far are kept with it)."""
-    return await _decide_by_hand(request, version, "promoted", caller.owner, body.note if body else "")
+    return await _decide_by_hand(gw, version, "promoted", caller.owner, body.note if body else "")
 
 
 @router.post("/v1/policies/{version}/rollback", response_model=PromotionResponse,
              responses=error_responses(401, 403, 409, 502))
-async def rollback(request: Request, version: int, caller: AdminDep,
+async def rollback(gw: GatewayDep, version: int, caller: AdminDep,
                    body: PromotionRequest | None = None) -> PromotionResponse:
     """Roll a canary back now: no session gets it again, its sessions are set aside (`rolled_back`), and the
     trainer continues from the incumbent."""
-    return await _decide_by_hand(request, version, "rolled_back", caller.owner, body.note if body else "")
+    return await _decide_by_hand(gw, version, "rolled_back", caller.owner, body.note if body else "")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel
 
 from tracetrain.proxy.auth import AdminDep
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
 
 router = APIRouter(responses=error_responses(401, 403))
@@ -47,8 +47,7 @@ class ReplicaList(BaseModel):
 
 
 @router.get("/v1/replicas", response_model=ReplicaList)
-async def list_replicas(request: Request, _: AdminDep) -> ReplicaList:
-    gw: Gateway = request.app.state.gateway
+async def list_replicas(gw: GatewayDep, _: AdminDep) -> ReplicaList:
     engine = gw.engine
     state = engine.state() if hasattr(engine, "state") else [  # one engine, no replica set
         {"replica": engine.model_name, "up": True, "version": engine.version, "outstanding": 0, "reason": None,

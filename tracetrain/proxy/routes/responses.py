@@ -23,7 +23,7 @@ from tracetrain.proxy.binding import Binding, bind
 from tracetrain.proxy.constraints import Constraint, forced_call, json_output
 from tracetrain.proxy.errors import APIError, error_body
 from tracetrain.proxy.event_stream import FLUSH, EventStream
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses, generation_responses
 from tracetrain.proxy.render import canonical_message
 from tracetrain.proxy.responses_protocol import (
@@ -220,8 +220,8 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
 @router.post("/v1/responses", response_model=ResponseObject, responses=GENERATING)
 @router.post("/s/{session}/v1/responses", response_model=ResponseObject, responses=GENERATING)
 @router.post("/s/{session}/g/{group}/v1/responses", response_model=ResponseObject, responses=GENERATING)
-async def create_response(body: ResponsesRequest, request: Request, response: Response, caller: CallerDep) -> Any:
-    gw: Gateway = request.app.state.gateway
+async def create_response(body: ResponsesRequest, request: Request,
+                          gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
         turn = await prepare(gw, await _spec(gw, request, body, caller), owner=caller.owner, admin=caller.admin)
         if body.stream:
@@ -237,8 +237,7 @@ async def create_response(body: ResponsesRequest, request: Request, response: Re
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
 @router.get("/s/{session}/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
 @router.get("/s/{session}/g/{group}/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
-async def get_response(request: Request, caller: CallerDep, response_id: str = Path()) -> ResponseObject:
-    gw: Gateway = request.app.state.gateway
+async def get_response(gw: GatewayDep, caller: CallerDep, response_id: str = Path()) -> ResponseObject:
     call = await _stored(gw, response_id, caller, None)
     return ResponseObject(**{**_shell(call.completion_id, call.model, int(call.created_at.timestamp()),
                                       _status(call.finish_reason), None, None),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, Request
+from fastapi import APIRouter, Body, Path
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import CallerDep
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.protocol import RewardRequest, RewardResponse, SessionRewardRequest
 from tracetrain.store import queries
@@ -45,15 +45,10 @@ async def _target(gw: Gateway, body: SessionRewardRequest, path_session: str | N
     return call.session_id, call.id
 
 
-async def post_reward(request: Request, body: SessionRewardRequest, caller: CallerDep,
+async def post_reward(gw: Gateway, body: SessionRewardRequest, caller: CallerDep,
                       path_session: str | None = None) -> RewardResponse:
-    gw: Gateway = request.app.state.gateway
     session_id, call_id = await _target(gw, body, path_session)
-    info = await gw.session_info(session_id)
-    if info is None:
-        raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
-    if not caller.may_access(info.owner):
-        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
+    await gw.sessions.owned(session_id, caller)
     value = combine(body.reward, gw.config.reward_weights)
     components = body.reward if isinstance(body.reward, dict) else None
 
@@ -90,12 +85,12 @@ async def post_reward(request: Request, body: SessionRewardRequest, caller: Call
 
 
 @router.post("/v1/rewards", response_model=RewardResponse)
-async def rewards(request: Request, body: Annotated[RewardRequest, Body()], caller: CallerDep) -> RewardResponse:
-    return await post_reward(request, body, caller)
+async def rewards(gw: GatewayDep, body: Annotated[RewardRequest, Body()], caller: CallerDep) -> RewardResponse:
+    return await post_reward(gw, body, caller)
 
 
 @router.post("/s/{session}/v1/rewards", response_model=RewardResponse)
 @router.post("/s/{session}/g/{group}/v1/rewards", response_model=RewardResponse)
-async def session_rewards(request: Request, body: SessionRewardRequest, caller: CallerDep,
+async def session_rewards(gw: GatewayDep, body: SessionRewardRequest, caller: CallerDep,
                           session: Annotated[str, Path()]) -> RewardResponse:
-    return await post_reward(request, body, caller, path_session=session)
+    return await post_reward(gw, body, caller, path_session=session)

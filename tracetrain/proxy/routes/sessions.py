@@ -7,14 +7,13 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import AdminDep, CallerDep
 from tracetrain.proxy.console_protocol import SessionList, SessionSummary, conversation_items
-from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import console, queries
 from tracetrain.store.console import SessionFilter
@@ -25,17 +24,9 @@ from tracetrain.store.trajectory import session_trajectories
 router = APIRouter()
 
 
-async def _owned(gw: Gateway, session_id: str, caller: Any) -> None:
-    info = await gw.session_info(session_id)
-    if info is None:
-        raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
-    if not caller.may_access(info.owner):
-        raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
-
-
 @router.get("/v1/sessions", response_model=SessionList, responses=error_responses(401))
 async def list_sessions(
-    request: Request, caller: CallerDep,
+    gw: GatewayDep, caller: CallerDep,
     limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62),
     status: Literal["open", "final"] | None = Query(None, description="`final` once a final reward arrived."),
     reward_min: float | None = Query(None, allow_inf_nan=False), reward_max: float | None = Query(
@@ -50,7 +41,6 @@ async def list_sessions(
     order: Literal["asc", "desc"] = "desc",
 ) -> SessionList:
     """Sessions, newest first by default; an agent key sees only its own, the admin key every session."""
-    gw: Gateway = request.app.state.gateway
     where = SessionFilter(owner=caller.owner, only_owner=not caller.admin, status=status, reward_min=reward_min,
                           reward_max=reward_max, group_id=group, model=model, text=q, excluded=excluded,
                           trained=trained)
@@ -68,12 +58,11 @@ async def list_sessions(
 
 
 @router.get("/v1/sessions/{session_id}", responses=error_responses(401, 403, 404))
-async def get_session(request: Request, session_id: str, caller: CallerDep) -> dict[str, Any]:
+async def get_session(gw: GatewayDep, session_id: str, caller: CallerDep) -> dict[str, Any]:
     """The session, its calls and its reward events. Each call carries `added_items` (what its request added
     after its parent's reply: tool results, user turns) and `reply_items` (its reply's text and tool calls),
     whatever API it came through (see `ConversationItem`)."""
-    gw: Gateway = request.app.state.gateway
-    await _owned(gw, session_id, caller)
+    await gw.sessions.owned(session_id, caller)
 
     def read(db: Any) -> dict[str, Any]:
         session = queries.get_session(db, session_id=session_id)
@@ -92,12 +81,11 @@ async def get_session(request: Request, session_id: str, caller: CallerDep) -> d
 
 @router.get("/v1/sessions/{session_id}/trajectory", responses=error_responses(401, 403, 404))
 async def get_trajectory(
-    request: Request, session_id: str, caller: CallerDep,
+    gw: GatewayDep, session_id: str, caller: CallerDep,
     text: bool = Query(False, description="Add `token_texts` to each segment: every token's own text, "
                        "decoded by the gateway's tokenizer."),
 ) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
-    await _owned(gw, session_id, caller)
+    await gw.sessions.owned(session_id, caller)
 
     def read(db: Any) -> dict[str, Any]:
         calls = queries.session_calls(db, session_id=session_id)
@@ -124,9 +112,8 @@ class NDJSONStream(StreamingResponse):
 
 
 @router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(401, 403))
-async def export_jsonl(request: Request, _: AdminDep) -> NDJSONStream:
+async def export_jsonl(gw: GatewayDep, _: AdminDep) -> NDJSONStream:
     """Every trajectory segment, one JSON object per line."""
-    gw: Gateway = request.app.state.gateway
 
     def lines() -> Iterator[bytes]:
         for row in iter_rows(gw.db):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.console_protocol import CaptureRow, CaptureStats
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import console
 
@@ -30,8 +30,7 @@ def _total(rows: list[CaptureRow]) -> CaptureRow:
 
 
 @router.get("/v1/stats/capture", response_model=CaptureStats)
-async def capture(request: Request, _: AdminDep) -> CaptureStats:
-    gw: Gateway = request.app.state.gateway
+async def capture(gw: GatewayDep, _: AdminDep) -> CaptureStats:
     stats = await gw.read(console.capture_stats)
     rows = [CaptureRow.model_validate(row) for row in stats["data"]]
     return CaptureStats(total=_total(rows), data=rows)

@@ -9,22 +9,20 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tracetrain.proxy.auth import CallerDep, get_admin, get_caller
-from tracetrain.proxy.gateway import Gateway
+from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
 
 router = APIRouter()
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def health(gw: GatewayDep) -> dict[str, Any]:
     return {"status": "ok", "policy_version": gw.engine.version, "store_queue_depth": gw.writer.queue_depth}
 
 
-async def metrics_access(request: Request) -> None:
+async def metrics_access(request: Request, gw: GatewayDep) -> None:
     """`/metrics` as open as `metrics_key` allows: counters reveal traffic, so a gateway on a shared
     network may want them behind a key."""
-    gw: Gateway = request.app.state.gateway
     if gw.config.metrics_key == "none":
         return
     caller = await get_caller(request)
@@ -40,17 +38,15 @@ class PrometheusText(Response):
 
 @router.get("/metrics", dependencies=[Depends(metrics_access)], response_class=PrometheusText,
             responses=error_responses(401, 403))
-async def metrics(request: Request) -> Response:
+async def metrics(gw: GatewayDep) -> Response:
     """Prometheus' text exposition format."""
-    gw: Gateway = request.app.state.gateway
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models", responses=error_responses(401))
 @router.get("/s/{session}/v1/models", responses=error_responses(401))
 @router.get("/s/{session}/g/{group}/v1/models", responses=error_responses(401))
-async def models(request: Request, _: CallerDep) -> dict[str, Any]:
-    gw: Gateway = request.app.state.gateway
+async def models(gw: GatewayDep, _: CallerDep) -> dict[str, Any]:
     name = gw.config.served_model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                         "owned_by": "tracetrain", "policy_version": gw.engine.version}]}

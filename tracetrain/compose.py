@@ -1,0 +1,66 @@
+"""One gateway process, put together from its config: every part of proxy/gateway.py built here and
+handed to the `Gateway` whole, with the publisher and the services (the trainer thread) that run with it.
+
+cli.py parses arguments and starts servers; this module wires. It is the one place above both `proxy/`
+and `trainer/` (docs/architecture.md, "Layers").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from sqlalchemy.engine import Engine as DBEngine
+
+from tracetrain.config import Config
+from tracetrain.engines.base import Engine
+from tracetrain.engines.publishing import Checkpoint, Publisher
+from tracetrain.engines.replicas import ReplicaSet
+from tracetrain.proxy.admission import Admission
+from tracetrain.proxy.auth import KeyRing
+from tracetrain.proxy.engine_sleep import EngineSleep
+from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.gateway import Gateway, Load, Service, read_in_thread
+from tracetrain.proxy.metrics import GatewayMetrics
+from tracetrain.proxy.promotion import Promotion
+from tracetrain.proxy.publish_control import PublishController
+from tracetrain.proxy.render import ChatRenderer
+from tracetrain.proxy.session_directory import SessionDirectory
+from tracetrain.store.writer import StoreWriter
+
+Publish = Callable[[Checkpoint], Coroutine[Any, Any, None]]
+Hold = Callable[[bool], None]
+ServiceFactory = Callable[[Publish, Hold], Service]
+"""Builds a service that publishes through the gateway and holds its generation (`TrainerThread`)."""
+
+
+def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, *,
+                  publisher: Publisher | None = None, services: Sequence[ServiceFactory] = ()) -> Gateway:
+    load = Load()
+    # Alone on the event loop, a commit there costs less than the hop to the writer's thread.
+    writer = StoreWriter(db, inline=lambda: load.requests <= 1)
+    metrics = GatewayMetrics()
+    metrics.queue_depth.set_function(lambda: writer.queue_depth)
+    metrics.policy_version.set_function(lambda: engine.version)
+    gate = GenerationGate()
+    engine_sleep = (EngineSleep(gate, engine) if config.engine_sleep == "on" and isinstance(engine, ReplicaSet)
+                    else None)
+    read = functools.partial(read_in_thread, db)
+    canary = Promotion(config, engine, read=read, write=writer.submit)
+    publishing = PublishController(engine, publisher, writer=writer, read=read, gate=gate, canary=canary,
+                                   engine_sleep=engine_sleep)
+    template = config.chat_template.read_text() if config.chat_template else None
+    return Gateway(
+        config, engine, ChatRenderer(tokenizer, template=template), db,
+        writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
+        publishing=publishing, admission=Admission(config, db, metrics), gate=gate,
+        keys=KeyRing(config.api_keys, config.admin_key), metrics=metrics, load=load, engine_sleep=engine_sleep,
+        services=[make(publishing.publish, gate.hold_for_training) for make in services])
+
+
+def trainer_service(config: Config, db: DBEngine, model_dir: Any) -> ServiceFactory:
+    """The trainer in a thread of the gateway process (`serve --train`)."""
+    from tracetrain.trainer.service import TrainerThread
+
+    return lambda publish, hold: TrainerThread(config.train, db, model_dir, publish=publish, hold=hold)

@@ -1,0 +1,144 @@
+"""New versions into serving: publish a checkpoint, follow versions published through other gateway
+processes, agree full-weight reloads with them, and hand versions to the canary when promotion is on.
+
+One lock orders every change of the served version in this process; the store records each published
+version (store/promotion.py), through the store writer like every other write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+from tracetrain.engines.base import Engine
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
+from tracetrain.engines.replica_publish import ReplicaPublisher
+from tracetrain.proxy.engine_sleep import EngineSleep
+from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.promotion import Promotion
+from tracetrain.proxy.replica_sync import Read, ReplicaSync
+from tracetrain.store import promotion as versions
+from tracetrain.store import queries
+from tracetrain.store.models import utcnow
+from tracetrain.store.writer import StoreWriter
+
+log = logging.getLogger(__name__)
+
+class PublishController:
+    def __init__(self, engine: Engine, publisher: Publisher | None, *, writer: StoreWriter, read: Read,
+                 gate: GenerationGate, canary: Promotion, engine_sleep: EngineSleep | None) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        """Puts new weights into the engine; None when this gateway does not publish (no training)."""
+        self.canary = canary
+        """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
+        self.replica_sync: ReplicaSync | None = None
+        """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
+        self._writer, self._read, self._gate, self._engine_sleep = writer, read, gate, engine_sleep
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._notes: set[asyncio.Task[Any]] = set()
+        self._newest_served = -1
+        """The newest version this process has recorded a call of (see `note_served`)."""
+
+    async def start(self) -> None:
+        await self._start_replica_sync()
+        if self.canary.enabled:
+            self.canary.publisher = cast(CanaryPublisher | None, self.publisher)
+            self._tasks.append(asyncio.create_task(self.canary.run()))
+        else:
+            self._tasks.append(asyncio.create_task(self._follow_versions()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
+
+    async def publish(self, checkpoint: Checkpoint) -> None:
+        """Hand a checkpoint to the engine; on failure the engine keeps serving the old version."""
+        if self.publisher is None:
+            raise APIError(409, "This gateway has no publisher configured (start it with --train or set "
+                           "train.publish).", code="no_publisher")
+        async with self._lock:
+            if checkpoint.version <= self.engine.version:
+                raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
+                               f"{self.engine.version}.", code="stale_version")
+            if self._engine_sleep is not None:
+                await self._engine_sleep.wake()  # loading an adapter or reloading weights needs them on the GPU
+            if self.canary.enabled and self.canary.trial is not None:
+                raise APIError(409, f"Version {self.canary.trial.checkpoint.version} is still a canary: "
+                               "promote or roll it back first.", code="canary_on_trial")
+            try:
+                await self._load(checkpoint)
+            finally:
+                if probes := getattr(self.publisher, "probes", {}).get(checkpoint.version):
+                    await self._writer.submit(lambda db: versions.record_probes(db, version=checkpoint.version,
+                                                                               probes=probes))
+
+    def note_served(self, version: int) -> None:
+        """A call of `version` was recorded: the first one of a version newer than any this process served
+        dates the version's first call (`Policy.first_call_at`; a no-op if another process got there first)."""
+        if version <= self._newest_served:
+            return
+        self._newest_served = version
+        at = utcnow()
+        task = asyncio.create_task(self._writer.submit(lambda db: versions.record_first_call(db, version=version,
+                                                                                            at=at)))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
+
+    async def _load(self, checkpoint: Checkpoint) -> None:
+        assert self.publisher is not None
+        if self.canary.enabled:
+            self.canary.publisher = cast(CanaryPublisher, self.publisher)
+            await self.canary.stage(checkpoint)
+            return
+        # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
+        # run on the new weights under the old label: hold new generations at the gate instead.
+        pauses = getattr(self.publisher, "pauses_engine", False)
+        if pauses:
+            self._gate.close("publish")
+        try:
+            await self.publisher.publish(checkpoint)
+        finally:
+            if pauses:
+                self._gate.open("publish")
+        await self._writer.submit(lambda db: versions.mark_published(
+            db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
+            promotion="immediate"))
+
+    async def _start_replica_sync(self) -> None:
+        """Full weights reloaded in place: every gateway process on this store labels each replica's calls
+        with the weights the store records for it, and reloads wait for the others to stop sending."""
+        publisher = self.publisher
+        if not (isinstance(publisher, ReplicaPublisher) and publisher.reloads_in_place):
+            return
+        sync = ReplicaSync(publisher.replicas, read=self._read, write=self._writer.submit,
+                           base_weights=publisher.base_weights, restore=publisher.restore)
+        publisher.coordinator = sync
+        await sync.start()
+        self.replica_sync = sync
+        self._tasks.append(asyncio.create_task(sync.run()))
+
+    async def _follow_versions(self, interval_s: float = 1.0) -> None:
+        """Serve the newest version a trainer published through another gateway process on this store
+        (`serve --workers N`, several gateway hosts): the trainer marks it published in the store."""
+        adopt = getattr(self.publisher, "adopt", None)
+        if adopt is None:
+            return
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                latest = await self._read(queries.latest_published)
+                if latest is None or latest.checkpoint is None or latest.version <= self.engine.version:
+                    continue
+                async with self._lock:
+                    if latest.version > self.engine.version:
+                        await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind))
+                        log.info("following version %d, published through another gateway", latest.version)
+            except Exception as exc:  # the store or an engine briefly away: try again next round
+                log.warning("following the published version failed: %s", exc)

@@ -2,13 +2,17 @@
 session whose turns alternate between them is one trajectory, racing forks are told apart by the
 store, an idempotent reward posted to both at once is stored once, and a trainer's hold placed through
 one stops generation in the other. Real `tracetrain serve` processes, each with its own in-process
-engine on the same tiny model."""
+engine on the same tiny model.
+
+One pair of processes per store serves every test of this module: each test uses its own session ids,
+and the hold test releases its hold before it ends, so none sees another's state."""
 
 from __future__ import annotations
 
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +22,27 @@ import pytest
 from sqlmodel import Session, select
 
 from tests.integration.test_durability import _start_gateway
-from tests.support.servers import free_port
+from tests.support.servers import PostgresCluster, free_port
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Call, Reward
 
+pytestmark = pytest.mark.slow
 
-@pytest.fixture
-def two_gateways(tiny_model_path: Path, db_url: str, tmp_path: Path) -> Iterator[list[str]]:
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One store per backend for the whole module (the conftest's `db_url` is a fresh one per test)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('processes') / 'store.db'}"
+    cluster: PostgresCluster = request.getfixturevalue("postgres")
+    return cluster.create_database(f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="module")
+def two_gateways(tiny_model_path: Path, db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two `tracetrain serve` processes on the store, started once per store: starting a pair is most
+    of what these tests would otherwise spend."""
+    tmp_path = tmp_path_factory.mktemp("gateways")
     processes: list[subprocess.Popen[bytes]] = []
     urls = []
     try:

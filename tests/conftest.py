@@ -29,7 +29,14 @@ pytest_plugins = ["pytester", "tests.support.ci_skips"]
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` (tests/gpu/) need a CUDA device. Where torch sees none, or is not installed, they
     are deselected rather than skipped: a machine without a GPU is the normal case, not a missing setup
-    step, and tests.support.ci_skips fails every skip in CI."""
+    step, and tests.support.ci_skips fails every skip in CI.
+
+    Every test that needs vLLM (marked `vllm`, or using the shared `vllm_server`) is also `slow`: starting
+    vLLM and generating on CPU is what makes them slow, so the quick tier (`-m "not slow"`) leaves out a
+    new vLLM test without anyone having to remember to mark it."""
+    for item in items:
+        if item.get_closest_marker("vllm") or "vllm_server" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu or _cuda_available():
         return

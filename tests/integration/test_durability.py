@@ -24,6 +24,8 @@ from tests.support.servers import PostgresCluster, free_port
 from tracetrain.store.db import make_engine
 from tracetrain.store.models import Call, Reward
 
+pytestmark = pytest.mark.slow
+
 WORKERS = 16
 STREAMING_WORKERS = frozenset(range(0, WORKERS, 2))
 """Half the workers stream, so the kill lands both inside plain requests and inside open streams."""

@@ -50,7 +50,7 @@ from tests.support.setup_steps import POSTGRES_MISSING, VLLM_MISSING
 from tracetrain.store.db import make_engine, open_engine
 from tracetrain.store.models import AgentSession, Call, Policy, Reward
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 MAX_WAIT_S = 20.0
 """No request may take longer than this while the store is away: a clear error, not a hang."""

@@ -38,6 +38,8 @@ from tests.support.fsdp_step import (  # noqa: E402
 )
 from tracetrain.trainer.fsdp_backend import FSDPBackend  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:

@@ -37,6 +37,8 @@ from tests.support.fsdp_step import (  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 from tracetrain.trainer.fsdp_backend import FSDPBackend  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 RAY = Path(sys.executable).parent / "ray"
 NODE_RESOURCES = ("node_a", "node_b")
 """The custom resource each node offers (head first): it names the node a worker landed on."""

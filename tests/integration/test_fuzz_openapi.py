@@ -40,6 +40,8 @@ from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 AGENT_KEY, ADMIN_KEY = "fuzz-agent", "fuzz-admin"
 SEED = 20261126

@@ -28,22 +28,11 @@ def _model_dir(config: Config) -> Path:
     return Path(config.model)
 
 
-def _vllm_available(config: Config) -> bool:
-    from tracetrain.engines.vllm_server import find_vllm_python
-
-    return bool(config.engine_url) or (config.vllm_python or find_vllm_python()) is not None
-
-
 def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
-    """The engine the config asks for; `auto` falls back to in-process transformers without vLLM. vLLM
-    is always a replica set (of one, usually): it bounds outstanding requests, fails over, and starts a
-    server it started again when that server dies."""
-    kind = config.engine
-    if kind == "auto":
-        kind = "vllm" if _vllm_available(config) else "transformers"
-        if kind == "transformers":
-            log.warning("vLLM is not installed: falling back to the in-process transformers engine")
-    if kind == "transformers":
+    """The engine of a settled config (`Config.settled`). vLLM is always a replica set (of one, usually):
+    it bounds outstanding requests, fails over, and starts a server it started again when that server
+    dies."""
+    if config.engine == "transformers":
         from tracetrain.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine(model_dir, model_name=config.served_model_name)
@@ -68,12 +57,12 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     from tracetrain.engines.gpus import visible_gpus
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
-    gpus = [visible_gpus()[g] for g in config.engine_gpus]  # resolved by `place_gpus`: one per replica
+    gpus = [visible_gpus()[g] for g in config.engine_gpus]  # settled by `Config.settled`: one per replica
     servers = [VLLMServer(model_dir, port=config.vllm_port + i, listen=config.vllm_listen,
                           served_model_name=config.served_model_name, python=config.vllm_python,
                           dtype=config.engine_dtype,
                           extra_args=[*gpu_args(config), *config.vllm_args],
-                          enable_lora=config.train.lora and not config.train.publishes_merged(),
+                          enable_lora=config.publish_mode() == "lora",
                           max_lora_rank=config.train.lora_rank,
                           env=replica_placement(i, config.replicas, gpus[i] if gpus else None))
                for i in range(config.replicas)]
@@ -96,23 +85,18 @@ def gpu_args(config: Config) -> list[str]:
     return args
 
 
-def place_gpus(config: Config, *, training_here: bool) -> Config:
-    """`config` with its GPU split resolved (engines/gpus.py): the engine's GPUs, the trainer's, vLLM's
-    memory share and whether it sleeps. Refused with a sentence when the split cannot work here."""
+def settle(config: Config, *, training_here: bool) -> Config:
+    """`config` with every `auto` decided (`Config.settled`), refused with a sentence when the GPU split
+    cannot work here."""
     try:
-        plan = config.gpu_plan(training_here=training_here)
+        settled = config.settled(training_here=training_here)
     except ValueError as exc:
         raise SystemExit(f"configuration error: {exc}") from None
-    if plan.engine or plan.trainer:
-        log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", plan.engine or "none",
-                 plan.memory_share, ", sleeps during sync steps" if plan.sleep else "", plan.trainer or "the CPU")
-    train = config.train.model_copy(update={"gpus": plan.trainer})
-    dtype = config.engine_dtype
-    if dtype == "auto":  # what engine_dtype's docstring promises
-        dtype = "bfloat16" if plan.engine or config.engine_url else "float32"
-    return config.model_copy(update={"engine_gpus": plan.engine, "engine_memory_share": plan.memory_share,
-                                     "engine_sleep": "on" if plan.sleep else "off", "train": train,
-                                     "engine_dtype": dtype})
+    if settled.engine_gpus or settled.train.gpus:
+        log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", settled.engine_gpus or "none",
+                 settled.engine_memory_share, ", sleeps during sync steps" if settled.engine_sleep == "on" else "",
+                 settled.train.gpus or "the CPU")
+    return settled
 
 
 def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
@@ -124,7 +108,7 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     from tracetrain.engines.transformers_publish import InProcessPublisher
     from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
 
-    mode = config.train.publish
+    mode = config.publish_mode()
     if mode == "none":
         return None
     probe = ProbeCheck(config.engine_dtype, config.publish_probe_tolerance) if config.publish_probe else None
@@ -132,8 +116,6 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     # front of vLLM does not need (`pip install tracetrain` alone serves).
     if not isinstance(engine, ReplicaSet):
         return InProcessPublisher(engine)
-    if mode == "auto":
-        mode = "lora" if config.train.lora and not config.train.publishes_merged() else "reload"
     engines = [r.engine for r in engine.replicas]
     if mode == "lora":
         return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines], canary_share=config.canary_share,
@@ -144,7 +126,6 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
 
 def serve(config: Config, *, train: bool = False) -> None:
     config.check_access()  # first: refuse in a second, before importing torch or loading any model
-    config = config.with_admission_for(training_here=train)
     if config.gateway_workers > 1:
         if train:
             raise SystemExit("configuration error: --train runs the trainer inside the gateway process; with "
@@ -404,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     if training_here:
         _check_trainer(config)
     if args.command in ("serve", "train"):
-        config = place_gpus(config, training_here=training_here)
+        config = settle(config, training_here=training_here)
     from tracetrain.store.schema import StoreOutOfDate
 
     try:

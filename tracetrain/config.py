@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import logging
 import os
 import re
 from contextvars import ContextVar
@@ -23,6 +24,8 @@ from pydantic_settings import (
 
 if TYPE_CHECKING:
     from tracetrain.engines.gpus import GPUPlan
+
+log = logging.getLogger(__name__)
 
 
 class TrainConfig(BaseModel):
@@ -148,18 +151,13 @@ class TrainConfig(BaseModel):
         return self.backend == "fsdp" or (self.backend == "auto" and self.workers > 1)
 
     def publishes_merged(self) -> bool:
-        """Whether LoRA training reaches the engine as merged full weights (`publish: reload`, or `auto`
-        without a CUDA device). The trainer and the gateway both decide with this, so they agree when they
-        share a machine; where they do not, set `publish` explicitly. A gateway installed without torch
-        counts as having no CUDA device."""
+        """Whether LoRA training reaches the engine as merged full weights. A command settles `publish`
+        when it starts (`Config.settled`); a `TrainConfig` used on its own with `publish: auto` follows
+        the same rule as there: merged without a CUDA device."""
         if not self.lora:
             return False
         if self.publish == "auto":
-            if importlib.util.find_spec("torch") is None:
-                return True
-            import torch  # here, not at the top: loading a config must not cost a torch import
-
-            return not torch.cuda.is_available()
+            return not cuda_here()
         return self.publish == "reload"
 
     @model_validator(mode="after")
@@ -404,15 +402,11 @@ class Config(BaseSettings):
         if self.gateway_cpus and self.engine == "transformers":
             raise ValueError("gateway_cpus confines the gateway's process, and engine: transformers generates in "
                              "it: use engine: vllm, or leave gateway_cpus empty")
-        if self.gateway_workers > 1 and self.train.publish == "auto" and self.train.lora:
-            self.train.publish = "lora"  # an adapter switch needs no drain of every process (see gateway_workers)
         if self.gateway_workers > 1 and self.promotion == "canary" and self.publishes_full_weights():
             raise ValueError("gateway_workers > 1 with promotion: canary needs LoRA publishing (train.lora and "
                              "train.publish: lora): a full-weight canary's replicas are chosen by one process")
         if self.promotion == "canary":
             engines = len(self.engine_url) or self.replicas
-            if self.train.publish == "auto" and self.train.lora and self.engine != "transformers" and engines == 1:
-                self.train.publish = "lora"  # both versions in one vLLM: only adapters make that possible
             if self.engine != "transformers" and self.publishes_full_weights() and engines == 1:
                 raise ValueError("promotion: canary with full weights needs two or more vLLM replicas (--replicas 2, "
                                  "or several --engine-url): the canary is loaded into some of them while the rest "
@@ -449,9 +443,59 @@ class Config(BaseSettings):
                          trainer_gpus=self.train.gpus, mode=self.train.mode, memory_share=self.engine_memory_share,
                          sleep=self.engine_sleep)
 
+    def publish_mode(self) -> Literal["lora", "reload", "inprocess", "none"]:
+        """How new weights reach the engine: `train.publish`, with `auto` decided here and nowhere else.
+        In-process swap for the transformers engine. For vLLM, full weights reloaded unless LoRA is
+        trained; a LoRA adapter is loaded as one when this machine has a CUDA device, when several gateway
+        processes share the servers (an adapter switch needs no drain of every process), or for a canary on
+        one server (only adapters let both versions live in it); otherwise it is merged and reloaded (vLLM
+        on CPU serves an adapter at about half the speed of plain weights)."""
+        if self.train.publish != "auto":
+            return self.train.publish
+        if self.engine == "transformers":
+            return "inprocess"
+        if not self.train.lora:
+            return "reload"
+        one_server = (len(self.engine_url) or self.replicas) == 1
+        if self.gateway_workers > 1 or (self.promotion == "canary" and one_server):
+            return "lora"
+        return "reload" if self.train.publishes_merged() else "lora"
+
     def publishes_full_weights(self) -> bool:
-        publish = self.train.publish
-        return publish == "reload" or (publish == "auto" and (not self.train.lora or self.train.publishes_merged()))
+        return self.publish_mode() == "reload"
+
+    def settled(self, *, training_here: bool) -> Config:
+        """This config with every `auto` decided, once, as a command starts: the engine (vLLM when it is
+        installed), the GPU split and vLLM's memory share, sleep and dtype (`gpu_plan`), admission (held for
+        an async trainer in this process only), and the trainer's publish mode, backend and device. What
+        follows reads concrete values only. ValueError with a sentence when the GPU split cannot work."""
+        engine = self.engine
+        if engine == "auto":
+            engine = "vllm" if self.vllm_available() else "transformers"
+            if engine == "transformers":
+                log.warning("vLLM is not installed: falling back to the in-process transformers engine")
+        config = self.model_copy(update={"engine": engine})
+        plan = config.gpu_plan(training_here=training_here)
+        dtype = self.engine_dtype
+        if dtype == "auto":  # what engine_dtype's docstring promises
+            dtype = "bfloat16" if plan.engine or self.engine_url else "float32"
+        admission = self.admission
+        if admission == "auto":
+            admission = "staleness" if training_here and self.train.mode == "async" else "none"
+        train = {"gpus": plan.trainer, "publish": config.publish_mode(),
+                 "backend": "fsdp" if self.train.uses_fsdp else "local"}
+        if training_here and self.train.device == "auto":
+            train["device"] = "cuda" if cuda_here() else "cpu"
+        return config.model_copy(update={
+            "engine_gpus": plan.engine, "engine_memory_share": plan.memory_share,
+            "engine_sleep": "on" if plan.sleep else "off", "engine_dtype": dtype, "admission": admission,
+            "train": self.train.model_copy(update=train)})
+
+    def vllm_available(self) -> bool:
+        """A vLLM server to reach (`engine_url`) or a vLLM installation to start one with."""
+        from tracetrain.engines.vllm_server import find_vllm_python
+
+        return bool(self.engine_url) or (self.vllm_python or find_vllm_python()) is not None
 
     @model_validator(mode="after")
     def _check_admission(self) -> Config:
@@ -459,13 +503,6 @@ class Config(BaseSettings):
             raise ValueError(f"admission_batches ({self.admission_batches:g}) above train.max_staleness + 1 "
                              f"({self.train.max_staleness + 1}) admits sessions that can only go stale")
         return self
-
-    def with_admission_for(self, *, training_here: bool) -> Config:
-        """This config with `admission: auto` resolved for a gateway that does or does not train."""
-        if self.admission != "auto":
-            return self
-        staleness = training_here and self.train.mode == "async"
-        return self.model_copy(update={"admission": "staleness" if staleness else "none"})
 
     @property
     def admission_limit(self) -> int:
@@ -511,6 +548,15 @@ def index_list(name: str, value: Any) -> Any:
             raise ValueError(f"{name}: {part!r} is not a {noun} number or range (e.g. 2,3 or 8-11)")
         numbers += range(int(first), int(last or first) + 1)
     return numbers
+
+
+def cuda_here() -> bool:
+    """Whether torch sees a CUDA device here; a process without torch (a gateway in front of vLLM) has none."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch  # here, not at the top: loading a config must not cost a torch import
+
+    return bool(torch.cuda.is_available())
 
 
 def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -75,13 +76,48 @@ def test_batch_and_admission_combinations_are_checked_when_the_config_loads() ->
 
 def test_admission_auto_holds_agents_only_for_an_async_trainer_in_this_gateway() -> None:
     def resolved(mode: str, training_here: bool) -> str:
-        return Config(**parse_set([f"mode={mode}"])).with_admission_for(training_here=training_here).admission
+        return Config(**parse_set([f"mode={mode}"])).settled(training_here=training_here).admission
 
     assert resolved("async", True) == "staleness"
     assert resolved("sync", True) == "none"  # the sync hold already bounds staleness
     assert resolved("async", False) == "none"  # `serve` alone: no trainer here to wait for
-    explicit = Config(**parse_set(["admission=none"])).with_admission_for(training_here=True)
+    explicit = Config(**parse_set(["admission=none"])).settled(training_here=True)
     assert explicit.admission == "none"
+
+
+def _autos(model: Any, prefix: str = "") -> list[str]:
+    found = []
+    for name, value in model:
+        if isinstance(value, TrainConfig):
+            found += _autos(value, f"{name}.")
+        elif value == "auto":
+            found.append(prefix + name)
+    return found
+
+
+@pytest.mark.parametrize("training_here", [True, False])
+@pytest.mark.parametrize("overrides", [{}, {"engine": "vllm", "train": {"lora": True}},
+                                       {"engine": "transformers", "train": {"workers": 2}},
+                                       {"engine": "vllm", "gateway_workers": 2, "train": {"lora": True}}])
+def test_a_settled_config_holds_no_auto_and_loading_rewrites_nothing(overrides: dict[str, Any],
+                                                                     training_here: bool) -> None:
+    """Every `auto` is decided once, as a command starts (`Config.settled`); loading leaves what was set."""
+    loaded = Config(**overrides)
+    assert loaded.train.publish == "auto"  # validators decide nothing and rewrite nothing
+    settled = loaded.settled(training_here=training_here)
+    left = _autos(settled)
+    # The trainer's device is decided where it trains; a gateway that does not train may lack torch.
+    assert left == ([] if training_here else ["train.device"]), left
+    assert settled.train.publish == loaded.publish_mode() and settled.publish_mode() == loaded.publish_mode()
+
+
+def test_publish_auto_loads_adapters_where_full_weights_cannot_work() -> None:
+    """Several gateway processes, or a canary on one vLLM server: LoRA is published as adapters."""
+    assert Config(engine="vllm", gateway_workers=2, train={"lora": True}).publish_mode() == "lora"
+    assert Config(engine="vllm", promotion="canary", train={"lora": True}).publish_mode() == "lora"
+    assert Config(engine="vllm", train={"lora": False}).publish_mode() == "reload"
+    assert Config(engine="transformers", train={"lora": True}).publish_mode() == "inprocess"
+    assert Config(engine="vllm", train={"lora": True, "publish": "none"}).publish_mode() == "none"
 
 
 def test_lora_reaches_a_cpu_only_vllm_as_merged_weights() -> None:
@@ -135,8 +171,7 @@ def test_engine_urls_from_every_source_and_replica_combinations(tmp_path: Path,
 
 
 def test_several_gateway_workers_prefer_lora_and_refuse_what_one_process_decides() -> None:
-    assert load_config(gateway_workers=2).train.publish == "lora"  # `auto` with LoRA resolves to it
-    assert load_config().train.publish == "auto"
+    assert load_config(gateway_workers=2).publish_mode() == "lora"  # `auto` with LoRA decides it
     # Full weights are reloaded in agreement between the processes (proxy/replica_sync.py).
     assert load_config(gateway_workers=2, train={"publish": "reload"}).train.publish == "reload"
     assert not load_config(gateway_workers=2, train={"lora": False}).train.lora
@@ -147,7 +182,7 @@ def test_several_gateway_workers_prefer_lora_and_refuse_what_one_process_decides
 
 
 def test_canary_promotion_needs_both_versions_in_the_engines() -> None:
-    assert Config(promotion="canary").train.publish == "lora"  # one vLLM: two adapters side by side
+    assert Config(promotion="canary").publish_mode() == "lora"  # one vLLM: two adapters side by side
     with pytest.raises(ValueError, match="two or more vLLM replicas"):
         Config(promotion="canary", train={"publish": "reload"})
     two = Config(promotion="canary", replicas=2, train={"publish": "reload"})  # a replica each

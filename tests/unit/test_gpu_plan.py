@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tracetrain.cli import gpu_args, place_gpus
+from tracetrain.cli import gpu_args, settle
 from tracetrain.config import load_config
 from tracetrain.engines import gpus
 from tracetrain.engines.gpus import ALONE_SHARE, ASYNC_SHARE, SYNC_SHARE, plan_gpus
@@ -84,10 +84,10 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatc
 def test_config_resolves_the_split_and_vllm_gets_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpus, "_driver_gpus", lambda: ("0",))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    config = place_gpus(load_config(engine="vllm", train={"mode": "sync"}), training_here=True)
+    config = settle(load_config(engine="vllm", train={"mode": "sync"}), training_here=True)
     assert (config.engine_gpus, config.train.gpus, config.engine_sleep) == ([0], [0], "on")
     assert gpu_args(config) == ["--gpu-memory-utilization", "0.6", "--enable-sleep-mode"]
-    serving = place_gpus(load_config(engine="vllm"), training_here=False)
+    serving = settle(load_config(engine="vllm"), training_here=False)
     assert gpu_args(serving) == ["--gpu-memory-utilization", "0.9"]
     assert (serving.engine_sleep, serving.train.gpus) == ("off", [])
 

@@ -10,13 +10,13 @@ import os
 
 import torch
 
-from tracetrain.config import TrainConfig
+from tracetrain.config import TrainConfig, cuda_here
 
 
 def resolve_device(cfg: TrainConfig) -> str:
     """`cpu` or `cuda` (`auto`: cuda when a CUDA device is visible)."""
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device == "auto":  # a TrainConfig used on its own; a command settles it first (Config.settled)
+        return "cuda" if cuda_here() else "cpu"
     return cfg.device
 
 

@@ -1,4 +1,5 @@
-"""An engine that samples a scripted reply: the tokens of a given text, one at a time, then the turn end.
+"""An engine that samples a scripted reply: the tokens of a given text, one at a time, then the turn end;
+cut at `max_tokens` as a real engine cuts it.
 
 For tests about what the model writes (a secret in a reply or a tool call's arguments), which no tiny
 model can be made to write on cue. Everything else (rendering, parsing, chaining, storage) is real.
@@ -30,13 +31,16 @@ class ScriptedEngine:
         self.prompts.append(list(prompt_ids))
         ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
         ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        cut = len(ids) > params.max_tokens  # as an engine does: the reply ends there, without the turn end
+        ids = ids[:params.max_tokens]
         self.samples.append(ids)
         shown = ""
         for i, token in enumerate(ids):
             text = self.tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
             piece = text[len(shown):] if not text.endswith("\ufffd") else ""
             shown += piece
-            yield TokenDelta([token], [-0.25], piece, finish_reason="stop" if i == len(ids) - 1 else None,
+            last = i == len(ids) - 1
+            yield TokenDelta([token], [-0.25], piece, finish_reason=("length" if cut else "stop") if last else None,
                              version=0)
 
     async def close(self) -> None:

@@ -11,7 +11,17 @@ import pytest
 from transformers import AutoTokenizer
 
 from tracetrain.proxy.chain import ChainNode, plan_prompt
-from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes, parse_forced_call, parse_reply
+from tracetrain.proxy.render import (
+    CUT_CALL_PREFIX,
+    RAW_CALL_PREFIX,
+    ChatRenderer,
+    canonical_message,
+    history_hashes,
+    parse_forced_call,
+    parse_reply,
+    partial_object,
+    unread_call,
+)
 from tracetrain.proxy.segments import make_segment_encoder
 
 
@@ -211,5 +221,65 @@ def test_a_second_child_is_a_branch(renderer: ChatRenderer) -> None:
 def test_a_forced_call_is_parsed_whole_even_with_markup_in_its_arguments() -> None:
     (call,) = parse_forced_call('{"name":"search","arguments":{"query":"a </tool_call> b"}}')
     assert call["function"] == {"name": "search", "arguments": '{"query": "a </tool_call> b"}'}
-    assert parse_forced_call('{"name":"search","arguments":{"query":"cut sho') == []
+    (cut,) = parse_forced_call('{"name":"search","arguments":{"query":"cut sho', cut=True)
+    assert cut["id"].startswith(CUT_CALL_PREFIX)
+    assert cut["function"] == {"name": "search", "arguments": '{"query":"cut sho'}
     assert parse_forced_call('{"arguments":{}}') == []
+
+
+@pytest.mark.parametrize(("text", "content", "name", "arguments"), [
+    ('Let me.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "ab', "Let me.", "lookup", '{"q": "ab'),
+    ('<tool_call>\n{"name": "loo', "", "lookup", ""),  # the one tool whose name starts so
+    ('<tool_call>\n{"na', "", "", ""),  # two tools could be meant
+    ('<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name": "add", "arg', "", "add", ""),
+])
+def test_a_call_cut_by_the_token_limit_is_a_call_as_far_as_generated(text: str, content: str, name: str,
+                                                                       arguments: str) -> None:
+    parsed, calls = parse_reply(text, tools_enabled=True, cut=True, names=("lookup", "add"))
+    assert parsed == content
+    assert calls[-1]["id"].startswith(CUT_CALL_PREFIX)
+    assert calls[-1]["function"] == {"name": name, "arguments": arguments}
+
+
+def test_a_call_whose_json_is_whole_when_the_limit_cut_its_closing_tag_is_whole() -> None:
+    (call,) = parse_reply('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_', tools_enabled=True,
+                          cut=True)[1]
+    assert not unread_call(call["id"]) and call["function"]["arguments"] == '{"a": 1}'
+
+
+def test_a_whole_call_with_arguments_that_are_not_json_keeps_them_as_written() -> None:
+    (call,) = parse_reply('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', tools_enabled=True)[1]
+    assert call["id"].startswith(RAW_CALL_PREFIX) and call["function"]["arguments"] == '{"a": 1,}'
+
+
+@pytest.mark.parametrize(("arguments", "value"), [
+    ('{"item": "[Item-11', {"item": "[Item-11"}),
+    ('{"a": "x", "b', {"a": "x"}),
+    ('{"a": tr', {}),
+    ('{"a": "x\\', {"a": "x"}),
+    ('{"a": "\\u00', {"a": ""}),
+    ('{"a": [1, {"b": "c', {"a": [1, {"b": "c"}]}),
+    ('{"a": 1,}', {"a": 1}),
+    ("", {}),
+    ("[1, 2]", {"value": [1, 2]}),
+])
+def test_partial_object_reads_what_it_can(arguments: str, value: dict[str, Any]) -> None:
+    assert partial_object(arguments) == value
+
+
+def test_every_echo_of_an_unread_call_hashes_like_the_reply() -> None:
+    """As given, repaired, dropped, or as the Anthropic SDK's object: the same state; another call is not."""
+    reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_cut_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "ab'}}]}
+    question = {"role": "user", "content": "q"}
+
+    def state(arguments: str, call_id: str = "call_cut_1", content: str | None = None) -> str:
+        echo = {"role": "assistant", "content": content, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}]}
+        return history_hashes(None, [canonical_message(question), canonical_message(echo)])[-1]
+
+    same = state('{"q": "ab')
+    assert same == state('{"q": "ab"}') == state("{}") == state("") == state('{"q": "ab'.replace("ab", "cd"))
+    assert same == history_hashes(None, [canonical_message(question), canonical_message(reply)])[-1]
+    assert same != state('{"q": "ab', call_id="call_cut_2") != state('{"q": "ab', call_id="call_2")
+    assert same != state('{"q": "ab', content="text")

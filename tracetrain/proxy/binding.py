@@ -42,6 +42,16 @@ BindingId = Annotated[str, Field(max_length=MAX_ID_LEN, pattern=ID_PATTERN, desc
 class Binding:
     session_id: str | None
     group_id: str | None
+    retry: bool = False
+    """The client says it is retrying this request (`x-stainless-retry-count` above 0, sent by the OpenAI
+    and Anthropic SDKs): it replaces a recorded call with the same messages (store/retries.py)."""
+
+
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+def _retry(value: str | None) -> bool:
+    return value is not None and value.strip().isdigit() and int(value) > 0
 
 
 def _check(value: str | None, what: str) -> str | None:
@@ -69,7 +79,7 @@ def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str 
     session = (params.get("session") or request.headers.get("x-session-id") or metadata.get("session_id") or user
                or None)
     group = params.get("group") or request.headers.get("x-group-id") or metadata.get("group_id") or None
-    return Binding(_check(session, "session_id"), _check(group, "group_id"))
+    return Binding(_check(session, "session_id"), _check(group, "group_id"), _retry(request.headers.get(RETRY_HEADER)))
 
 
 async def check_path_ids(request: Request) -> None:

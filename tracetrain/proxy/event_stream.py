@@ -29,9 +29,11 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], *, ready: Callable[[], bool],
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, on_drop: Callable[[], None] | None = None) -> None:
         super().__init__(content, headers=headers)
         self.ready = ready
+        self.on_drop = on_drop
+        """Called when the client leaves before the stream's end."""
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -56,6 +58,8 @@ class EventStream(StreamingResponse):
         except asyncio.CancelledError:
             if not watch.done() or watch.cancelled():
                 raise  # cancelled from outside (the server shutting down), not by the client leaving
+            if self.on_drop is not None:
+                self.on_drop()
         finally:
             watch.cancel()
             body.cancel()

@@ -21,7 +21,14 @@ BUNDLED_TEMPLATE = (files("tracetrain.proxy") / "templates" / "chatml_tools.jinj
 """Read as package data (importlib.resources), so it is found in an installed wheel, not only in a checkout;
 pyproject.toml's [tool.setuptools.package-data] is what puts it into the wheel."""
 TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+_ARGUMENTS_RE = re.compile(r'"arguments"\s*:\s*')
+CUT_CALL_PREFIX = "call_cut_"
+"""The id of a tool call cut short by the token limit: its arguments are the text generated so far."""
+RAW_CALL_PREFIX = "call_raw_"
+"""The id of a whole tool call whose arguments are not JSON: they are the text as generated."""
 _DEFAULT_SYSTEM_RE = re.compile(r"<\|im_start\|>system(?:\\n|\n)(.+?)<\|im_end\|>", re.DOTALL)
 
 
@@ -42,20 +49,42 @@ def _canonical_arguments(arguments: Any) -> str:
         return arguments
 
 
+def unread_call(call_id: Any) -> bool:
+    """Whether a tool call's id marks arguments that are the generated text, not JSON the gateway read."""
+    return isinstance(call_id, str) and call_id.startswith((CUT_CALL_PREFIX, RAW_CALL_PREFIX))
+
+
+def cut_call(call: dict[str, Any]) -> bool:
+    """Whether a reply's tool call was cut short by the token limit."""
+    return str(call.get("id", "")).startswith(CUT_CALL_PREFIX)
+
+
 def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a message that reach the model, in one spelling: what hashing and rendering use."""
+    """The parts of a message that reach the model, in one spelling: what hashing and rendering use.
+    A call the gateway could not read keeps its id: the chain knows it by that (see `history_hashes`)."""
     role = {"developer": "system", "function": "tool"}.get(message["role"], message["role"])
     out: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
     calls = message.get("tool_calls") or []
     if calls:
-        out["tool_calls"] = [
-            {
-                "name": call.get("function", call).get("name", ""),
-                "arguments": _canonical_arguments(call.get("function", call).get("arguments", "{}")),
-            }
-            for call in calls
-        ]
+        out["tool_calls"] = []
+        for call in calls:
+            function = call.get("function", call)
+            canonical = {"name": function.get("name", ""),
+                         "arguments": _canonical_arguments(function.get("arguments", "{}"))}
+            if unread_call(call.get("id")):
+                canonical["id"] = call["id"]
+            out["tool_calls"].append(canonical)
     return out
+
+
+def _hashed(message: dict[str, Any]) -> dict[str, Any]:
+    """A canonical message as its hash sees it. A call that was cut short or not JSON counts by its name and
+    id alone: clients send such arguments back as given, repaired or dropped (and the Anthropic SDK as the
+    object it could read), and each of these must extend the call that produced them."""
+    calls = message.get("tool_calls")
+    if not calls or not any("id" in call for call in calls):
+        return message
+    return {**message, "tool_calls": [{"name": c["name"], "id": c["id"]} if "id" in c else c for c in calls]}
 
 
 def history_hashes(tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[str]:
@@ -63,27 +92,34 @@ def history_hashes(tools: list[dict[str, Any]] | None, messages: list[dict[str, 
     digest = hashlib.sha256(json.dumps(tools or [], sort_keys=True).encode()).hexdigest()
     hashes = [digest]
     for message in messages:
-        blob = digest + json.dumps(message, sort_keys=True, ensure_ascii=False)
+        blob = digest + json.dumps(_hashed(message), sort_keys=True, ensure_ascii=False)
         digest = hashlib.sha256(blob.encode()).hexdigest()
         hashes.append(digest)
     return hashes
 
 
-def parse_reply(text: str, *, tools_enabled: bool) -> tuple[str, list[dict[str, Any]]]:
-    """Split sampled text into content and OpenAI-shaped tool calls. Unparseable blocks stay text."""
+def parse_reply(text: str, *, tools_enabled: bool, cut: bool = False,
+                names: tuple[str, ...] = ()) -> tuple[str, list[dict[str, Any]]]:
+    """Split sampled text into content and OpenAI-shaped tool calls; `cut`: the token limit ended the text.
+
+    Each `<tool_call>` block that names a tool is a call, even where its arguments are not JSON (a `call_raw_`
+    id) or the limit cut it (a `call_cut_` id, arguments as far as generated, a cut name completed from
+    `names` when only one tool starts with it). A whole block that names no tool is not a call: the text
+    stays content, verbatim.
+    """
     if not tools_enabled or TOOL_CALL_OPEN not in text:
         return text, []
     calls: list[dict[str, Any]] = []
-    for block in _TOOL_CALL_RE.findall(text):
-        try:
-            payload = json.loads(block)
-            name = payload["name"]
-            arguments = payload.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
+    blocks = text.split(TOOL_CALL_OPEN)[1:]
+    for i, block in enumerate(blocks):
+        whole, closed, _ = block.partition(TOOL_CALL_CLOSE)
+        last = i == len(blocks) - 1
+        # A block that is not closed ends the text: the limit cut it, or the model ended its turn there.
+        call = _read_call(whole.strip(), cut=cut and last and not closed, names=names,
+                          tail=not closed and last)
+        if call is None:
             return text, []
-        calls.append(_tool_call(name, arguments))
-    if not calls:
-        return text, []
+        calls.append(call)
     return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
 
 
@@ -94,14 +130,111 @@ def first_tool_call_only(reply: dict[str, Any]) -> dict[str, Any]:
     return {**reply, "tool_calls": calls[:1]} if calls and len(calls) > 1 else reply
 
 
-def parse_forced_call(text: str) -> list[dict[str, Any]]:
+def parse_forced_call(text: str, *, cut: bool = False, names: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The call of a forced tool call: the sampled text is the JSON object alone (the grammar ended
-    it), so it is parsed whole; a string argument may even contain `</tool_call>`. [] if cut short."""
+    it), so it is parsed whole; a string argument may even contain `</tool_call>`. Cut short by the token
+    limit, it is the call as far as generated (see `parse_reply`)."""
+    call = _read_call(text.strip(), cut=cut, names=names, tail=False)
+    return [] if call is None else [call]
+
+
+def _read_call(block: str, *, cut: bool, names: tuple[str, ...], tail: bool) -> dict[str, Any] | None:
+    """One call's JSON object as text (`tail`: the text ended in it, maybe in a partial closing tag)."""
+    candidates = [block]
+    if tail:
+        candidates += [block[:-k].rstrip() for k in range(1, len(TOOL_CALL_CLOSE))
+                       if block.endswith(TOOL_CALL_CLOSE[:k])]
+    for candidate in candidates:
+        try:
+            payload = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(payload, dict) and isinstance(payload.get("name"), str):
+            return _tool_call(payload["name"], payload.get("arguments", {}))
+    named = _NAME_RE.search(block)
+    if not cut and (named is None or named.group(2) is None):
+        return None
+    name = _json_string(named.group(1)) if named else ""
+    if cut and (named is None or named.group(2) is None):
+        matches = [n for n in names if n.startswith(name)]
+        name = matches[0] if len(matches) == 1 else name
+    found = _ARGUMENTS_RE.search(block, named.end() if named else 0)
+    arguments = block[found.end():] if found else ""
+    if not cut and arguments.rstrip().endswith("}"):
+        arguments = arguments.rstrip()[:-1].rstrip()  # the call object's own closing brace
+    prefix = CUT_CALL_PREFIX if cut else RAW_CALL_PREFIX
+    return {"id": f"{prefix}{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _json_string(body: str) -> str:
+    """A JSON string's characters from its body as written (a cut escape is dropped)."""
+    for end in range(len(body), max(len(body) - 6, -1), -1):
+        try:
+            return str(json.loads(f'"{body[:end]}"'))
+        except json.JSONDecodeError:
+            continue
+    return body
+
+
+def partial_object(arguments: str) -> dict[str, Any]:
+    """The JSON object that `arguments`, JSON cut short or not quite JSON, spells as far as it can be read:
+    its whole members, and a string cut short as far as it goes; {} when nothing can be read."""
     try:
-        payload = json.loads(text)
-        return [_tool_call(payload["name"], payload.get("arguments", {}))]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return []
+        value = json.loads(arguments)
+        return value if isinstance(value, dict) else {"value": value}
+    except json.JSONDecodeError:
+        pass
+    # Cut at each structural point, latest first, and close what is open there.
+    for point in [len(arguments), *reversed(_structural_points(arguments))]:
+        closed = _closed(arguments[:point].rstrip().rstrip(","))
+        if closed is None:
+            continue
+        try:
+            value = json.loads(closed)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def _structural_points(text: str) -> list[int]:
+    """Offsets just before a `,` or just after a `{` or `[` outside strings: where a member can end."""
+    points, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch == ",":
+            points.append(i)
+        elif ch in "{[":
+            points.append(i + 1)
+    return points
+
+
+def _closed(prefix: str) -> str | None:
+    """`prefix` with its open string, arrays and objects closed (None if its brackets do not nest)."""
+    stack: list[str] = []
+    in_string, escaped = False, False
+    for ch in prefix:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and (not stack or stack.pop() != ch):
+            return None
+    if in_string:  # close the string, dropping an escape cut short
+        cut_unicode = re.search(r"(\\+)u[0-9a-fA-F]{0,3}$", prefix)
+        if escaped:
+            prefix = prefix[:-1]
+        elif cut_unicode and len(cut_unicode.group(1)) % 2:
+            prefix = prefix[:cut_unicode.start() + len(cut_unicode.group(1)) - 1]
+        prefix += '"'
+    return prefix + "".join(reversed(stack))
 
 
 def _tool_call(name: Any, arguments: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from pydantic import (
 from tracetrain.proxy.binding import BindingId
 from tracetrain.proxy.errors import APIError, refusal
 from tracetrain.proxy.protocol import INTEGRAL, Metadata, RequestModel
+from tracetrain.proxy.render import cut_call
 
 INSTRUCTIONS = "instructions"
 """Marks the system message that came from `instructions`: it does not carry over to a chained request."""
@@ -202,8 +203,9 @@ def input_messages(items: str | list[MessageItem | FunctionCallItem | FunctionCa
 
 
 def output_items(reply: dict[str, Any], response_id: str, status: str = "completed") -> list[dict[str, Any]]:
-    """A canonical assistant reply as Responses output items: a message (if it has text), then calls.
-    Ids derive from the response's, so reading a response back gives the same items."""
+    """A canonical assistant reply as Responses output items: a message (if it has text), then calls (a call
+    cut short by the token limit `incomplete`, with the arguments generated so far). Ids derive from the
+    response's, so reading a response back gives the same items."""
     items: list[dict[str, Any]] = []
     if reply.get("content"):
         items.append({"type": "message", "id": f"msg_{response_id.removeprefix('resp_')}", "status": status,
@@ -212,5 +214,5 @@ def output_items(reply: dict[str, Any], response_id: str, status: str = "complet
     for call in reply.get("tool_calls") or []:
         items.append({"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}", "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
+                      "status": "incomplete" if cut_call(call) else "completed"})
     return items

@@ -27,8 +27,9 @@ from tracetrain.proxy.constraints import Constraint
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request, redactor
-from tracetrain.proxy.render import TOOL_CALL_OPEN, history_hashes, parse_forced_call, parse_reply
-from tracetrain.store import queries
+from tracetrain.proxy.render import TOOL_CALL_OPEN, cut_call, history_hashes, parse_forced_call, parse_reply
+from tracetrain.proxy.retries import Retried, find_retried
+from tracetrain.store import queries, retries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.messages import shared_prefix
 from tracetrain.store.models import CHAINED_LINKS, utcnow
@@ -79,18 +80,19 @@ class Choice:
     """The replica that served this choice and why (several engines behind the gateway)."""
 
     def visible_text(self, tools_enabled: bool) -> str:
-        """Text safe to stream now: with tools on, hold back anything that may open a tool call."""
+        """Text safe to stream now: with tools on, hold back anything that may open a tool call, and the
+        whitespace before it (a reply's content before its calls ends without it: render.parse_reply)."""
         if self.forced_prefix:
             return ""
         if not tools_enabled:
             return self.text
         start = self.text.find(TOOL_CALL_OPEN)
         if start >= 0:
-            return self.text[:start]
+            return self.text[:start].rstrip()
         for k in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
             if self.text.endswith(TOOL_CALL_OPEN[:k]):
-                return self.text[:-k]
-        return self.text
+                return self.text[:-k].rstrip()
+        return self.text.rstrip()
 
 
 @dataclass
@@ -111,6 +113,8 @@ class Turn:
     """The version to serve it with (canary promotion: the session's own); None: the engine's current."""
     redaction: RequestRedaction | None = None
     """What the request's messages hold (proxy/redact.py); None with `redaction: off`."""
+    retried: Retried | None = None
+    """The recorded request this one retries and replaces (proxy/retries.py)."""
     recorded: bool = False
     """Committed to the store: what a stream still sends after that needs no waiting."""
 
@@ -148,6 +152,10 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
             plan.parent_id, plan.link = parent.call_id, "redacted"
     if plan.parent_id is None and stored is not None:
         plan.parent_id = await gw.read(lambda db: queries.latest_call_id(db, session_id=session_id))
+    retried = None
+    if stored is not None and spec.prompt_ids is None:
+        retried = await find_retried(gw, session_id=session_id, retry=spec.binding.retry, plan=plan,
+                                     messages=redaction.sent if redaction else spec.request_messages)
     forced = spec.constraint.forced_prefix if spec.constraint else ""
     if forced:
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
@@ -156,7 +164,7 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
                 started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)],
-                pinned=pinned, redaction=redaction)
+                pinned=pinned, redaction=redaction, retried=retried)
 
 
 def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
@@ -204,13 +212,17 @@ async def generate_all(gw: Gateway, turn: Turn) -> list[dict[str, Any]]:
 
 
 def reply_message(turn: Turn, choice: Choice) -> dict[str, Any]:
-    """The finished choice as a canonical assistant message (content and/or tool calls)."""
+    """The finished choice as a canonical assistant message (content and/or tool calls). A tool call cut
+    short by the token limit is still a call, with the arguments generated so far (render.parse_reply)."""
+    cut = choice.finish_reason == "length"
+    names = tuple(t.get("function", t).get("name", "") for t in turn.spec.tools or [])
     if choice.forced_prefix:
-        calls = parse_forced_call(choice.text)
-        # Cut off by max_tokens, no call: report what the model saw and wrote.
+        calls = parse_forced_call(choice.text, cut=cut, names=names)
+        # Not cut, yet not a call: the grammar was not kept (an engine without it); report what the model wrote.
         content = "" if calls else choice.forced_prefix + choice.text
     else:
-        content, calls = parse_reply(choice.text, tools_enabled=turn.spec.tools_enabled and bool(turn.spec.tools))
+        content, calls = parse_reply(choice.text, tools_enabled=turn.spec.tools_enabled and bool(turn.spec.tools),
+                                     cut=cut, names=names)
     message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = calls
@@ -218,8 +230,12 @@ def reply_message(turn: Turn, choice: Choice) -> dict[str, Any]:
 
 
 def finish_reason(choice: Choice, message: dict[str, Any]) -> str:
-    """OpenAI's finish reasons: `tool_calls` when the reply calls tools, else the engine's."""
-    return "tool_calls" if message.get("tool_calls") else (choice.finish_reason or "stop")
+    """OpenAI's finish reasons: `tool_calls` when the reply calls tools, `length` when a call was cut short,
+    else the engine's."""
+    calls = message.get("tool_calls") or []
+    if any(cut_call(call) for call in calls):
+        return "length"
+    return "tool_calls" if calls else (choice.finish_reason or "stop")
 
 
 def _inherited_messages(turn: Turn, sent: list[dict[str, Any]]) -> int:
@@ -274,9 +290,19 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     new_row = dict(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
                    policy_version=rows[0]["policy_version"]) if turn.new_session else None
     check_rollback = gw.config.promotion == "canary"
-    await gw.writer.submit(lambda db: queries.record_calls(db, session_id=turn.session_id, new_session=new_row,
-                                                           rows=rows, check_rollback=check_rollback,
-                                                           redactions=kept.counts))
+    retried = turn.retried
+
+    def write(db: Any) -> int:
+        if retried is not None:
+            retries.drop_retried(db, session_id=turn.session_id, completion_id=retried.completion_id,
+                                 new_completion_id=spec.completion_id)
+        return queries.record_calls(db, session_id=turn.session_id, new_session=new_row, rows=rows,
+                                    check_rollback=check_rollback, redactions=kept.counts)
+
+    await gw.writer.submit(write)
+    if retried is not None:
+        gw.sessions.forget_calls(turn.session_id, retried.state_hashes)
+    gw.sessions.delivered(turn.session_id, spec.completion_id)
     gw.publishing.note_served(max(row["policy_version"] for row in rows))
     if turn.new_session:
         gw.sessions.new(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
@@ -343,6 +369,7 @@ class StreamRun:
     """The choices of a streamed request, generating concurrently and reporting through one queue."""
 
     def __init__(self, gw: Gateway, turn: Turn) -> None:
+        self.gw = gw
         self.turn = turn
         self.events: asyncio.Queue[tuple[int, BaseException | None, bool]] = asyncio.Queue()
         self.tasks = [asyncio.create_task(self._run(gw, turn, c)) for c in turn.choices]
@@ -378,3 +405,8 @@ class StreamRun:
     def cancel(self) -> None:
         for task in self.tasks:
             task.cancel()
+
+    def dropped(self) -> None:
+        """The client left before the stream ended: its call, if recorded (or being recorded: the write goes
+        on without the request), may be asked again (proxy/retries.py)."""
+        self.gw.sessions.mark_undelivered(self.turn.session_id, self.turn.spec.completion_id)

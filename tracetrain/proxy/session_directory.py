@@ -48,6 +48,9 @@ class SessionDirectory:
         PostgreSQL read is a network round trip and takes the thread."""
         self._sessions: LRUCache[str, SessionState] = LRUCache(SESSIONS)
         self._chains: LRUCache[tuple[str, str], ChainNode] = LRUCache(CHAINS)
+        self._undelivered: LRUCache[str, str] = LRUCache(CHAINS)
+        """Session → the request whose stream the client left after it was recorded: the client's next
+        request with the same messages is a reconnect, and replaces it (store/retries.py)."""
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -113,6 +116,24 @@ class SessionDirectory:
             self._chains[(session_id, state_hash)] = ChainNode(
                 call_id, chain, message_count, request_messages=request_messages,
                 real_state=real_states[i] if real_states else None)
+
+    def forget_calls(self, session_id: str, state_hashes: list[str]) -> None:
+        """Drop the cached chains of calls a retry replaced: nothing may extend them any more."""
+        for state_hash in state_hashes:
+            self._chains.pop((session_id, state_hash), None)
+
+    def mark_undelivered(self, session_id: str, completion_id: str) -> None:
+        self._undelivered[session_id] = completion_id
+
+    def undelivered(self, session_id: str) -> str | None:
+        """The session's latest recorded request if its client left the stream before it ended."""
+        return self._undelivered.get(session_id)
+
+    def delivered(self, session_id: str, completion_id: str) -> None:
+        """A new request was recorded: an earlier one left undelivered is no longer the latest (a stream
+        left while its own record was being written stays marked)."""
+        if self._undelivered.get(session_id) not in (None, completion_id):
+            del self._undelivered[session_id]
 
     def _load_node(self, session_id: str, state_hash: str, message_count: int) -> ChainNode | None:
         with Session(self.db) as db:

@@ -201,7 +201,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gw: Ga
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers(),
+                               on_drop=run.dropped)
         completion = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return completion

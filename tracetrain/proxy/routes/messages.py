@@ -41,7 +41,7 @@ from tracetrain.proxy.messages_protocol import (
     chat_tools,
 )
 from tracetrain.proxy.openapi import error_responses, generation_responses
-from tracetrain.proxy.render import canonical_message, first_tool_call_only
+from tracetrain.proxy.render import canonical_message, cut_call, first_tool_call_only, partial_object, unread_call
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
@@ -108,16 +108,20 @@ def _reply(turn: Turn, body: MessagesRequest) -> dict[str, Any]:
 def _blocks(reply: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": reply["content"]}] if reply.get("content") else []
     for call in reply.get("tool_calls") or []:
-        arguments = json.loads(call["function"]["arguments"])
+        # `input` must be an object: arguments cut short or not JSON give what of them can be read.
+        arguments = call["function"]["arguments"]
+        value = partial_object(arguments) if unread_call(call["id"]) else json.loads(arguments)
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
+                       "input": value if isinstance(value, dict) else {"value": value}})
     return blocks
 
 
 def _stop(gw: Gateway, turn: Turn, choice: Choice, reply: dict[str, Any]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence). A stop that did not end on the turn-end token was a stop
-    sequence; which one is named only when there was one (the engine does not say)."""
-    if reply.get("tool_calls"):
+    sequence; which one is named only when there was one (the engine does not say). A tool_use block cut
+    short by the token limit makes it `max_tokens`."""
+    calls = reply.get("tool_calls") or []
+    if calls and not any(cut_call(call) for call in calls):
         return "tool_use", None
     if choice.finish_reason == "length":
         return "max_tokens", None
@@ -204,7 +208,8 @@ async def messages(body: MessagesRequest, request: Request,
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
-            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers())
+            return EventStream(_stream(gw, turn, run, body), ready=run.ready, headers=turn.headers(),
+                               on_drop=run.dropped)
         message = await _complete(gw, turn, body)
     response.headers.update(turn.headers())
     return message

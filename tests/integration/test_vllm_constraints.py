@@ -16,6 +16,10 @@ from openai import OpenAI
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway
+from tests.support.tool_turns import ADD as TOOL_ADD
+from tests.support.tool_turns import LOOKUP as TOOL_LOOKUP
+from tests.support.tool_turns import QUESTION as QUESTION_CUT
+from tests.support.tool_turns import ask_chat, ask_messages, ask_responses, tool_result
 
 pytestmark = pytest.mark.vllm
 
@@ -119,3 +123,52 @@ def test_the_responses_and_messages_apis_enforce_forced_calls_and_schemas_too(vl
     (use,) = [block for block in final.content if block.type == "tool_use"]
     assert final.stop_reason == "tool_use" and use.name in ("add", "lookup")
     assert set(use.input) == ({"a", "b"} if use.name == "add" else {"word"})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_forced_call_cut_by_max_tokens_is_a_call_and_the_session_stays_one_segment(
+        vllm_gateway: RunningGateway, api: str, stream: bool) -> None:
+    """Through each API's SDK: the cut call in the API's shape (no markup as text), then the agent sends it back
+    with an error as its result, and the two calls are one segment with exactly the sampled tokens in the loss."""
+    session, model = f"cut-{api}-{stream}", vllm_gateway.gateway.config.served_model_name
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": QUESTION_CUT}]
+    openai = _client(vllm_gateway, session)
+    claude = anthropic.Anthropic(base_url=f"{vllm_gateway.url}/s/{session}", api_key="unused")
+    ask = {"chat": lambda c, **kw: ask_chat(openai, model, c, **kw),
+           "responses": lambda c, **kw: ask_responses(openai, model, c, **kw),
+           "messages": lambda c, **kw: ask_messages(claude, model, c, **kw)}[api]
+    forced = {"chat": {"type": "function", "function": {"name": "lookup"}},
+              "responses": {"type": "function", "name": "lookup"}, "messages": {"type": "tool", "name": "lookup"}}[api]
+    first = ask(conversation, stream=stream, max_tokens=10, tools=[TOOL_LOOKUP, TOOL_ADD], tool_choice=forced)
+    assert first.name == "lookup" and not first.content
+    if api == "messages":
+        assert first.stop == "max_tokens" and isinstance(first.arguments, dict)
+    else:
+        assert first.stop == ("length" if api == "chat" else "incomplete")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(first.arguments)
+    if api == "responses":
+        assert first.call_status == "incomplete" and first.incomplete == {"reason": "max_output_tokens"}
+
+    conversation += first.echo + tool_result(api, first, "error: cut short, call again")
+    if api == "chat":
+        openai.chat.completions.create(model=model, messages=conversation, tools=[TOOL_LOOKUP, TOOL_ADD],  # type: ignore
+                                       max_tokens=4)
+    elif api == "responses":
+        openai.responses.create(model=model, input=conversation, max_output_tokens=4,  # type: ignore[arg-type]
+                                tools=[{"type": "function", **t["function"]} for t in (TOOL_LOOKUP, TOOL_ADD)])
+    else:
+        claude.messages.create(model=model, messages=conversation, max_tokens=4,  # type: ignore[arg-type]
+                               tools=[{"name": t["function"]["name"], "description": t["function"]["description"],
+                                       "input_schema": t["function"]["parameters"]} for t in (TOOL_LOOKUP, TOOL_ADD)])
+
+    engine = vllm_gateway.gateway.engine
+    assert isinstance(engine, RecordingEngine)
+    cut, after = engine.generations[-2:]
+    (segment,) = _trajectory(vllm_gateway, session)["segments"]
+    assert len(segment["call_ids"]) == 2 and segment["token_ids"] == after.prompt_ids + after.token_ids
+    assert after.prompt_ids[: len(cut.prompt_ids) + len(cut.token_ids)] == cut.prompt_ids + cut.token_ids
+    mask = segment["loss_mask"]
+    assert sum(mask) == len(cut.token_ids) + len(after.token_ids)
+    assert sum(mask[len(cut.prompt_ids): len(cut.prompt_ids) + len(cut.token_ids)]) == len(cut.token_ids)

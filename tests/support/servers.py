@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -67,13 +68,21 @@ class RunningGateway:
         self.thread.join(timeout=30)
 
 
+@functools.cache
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    """One tokenizer per model directory for the whole session: most tests start a gateway of their own,
+    and loading the tokenizer is most of a start. Sharing it is safe: the gateway only reads it (encode,
+    decode, chat template), never changes its settings."""
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
 def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *, publisher: Publisher | None = None,
                   services: Sequence[ServiceFactory] = (), **config: Any) -> RunningGateway:
     """Serve a real gateway on a free loopback port from a background thread, built as `serve` builds it
     (tracetrain/compose.py), with `publisher` and background `services` (the trainer) if given."""
     port = free_port()
     cfg = Config(port=port, db_url=db_url, served_model_name=engine.model_name, **config)
-    gateway = build_gateway(cfg, engine, AutoTokenizer.from_pretrained(str(tokenizer_dir)), make_engine(db_url),
+    gateway = build_gateway(cfg, engine, load_tokenizer(tokenizer_dir), make_engine(db_url),
                             publisher=publisher, services=services)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -33,6 +33,8 @@ from tests.support.servers import free_port, wait_until_healthy
 from tracetrain.store.db import open_engine
 from tracetrain.store.models import Policy, utcnow
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def workers_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:

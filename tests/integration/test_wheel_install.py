@@ -33,6 +33,8 @@ import pytest
 from tests.support.servers import free_port
 from tests.support.setup_steps import SETUPTOOLS_MISSING
 
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = REPO_ROOT / "tracetrain"
 
@@ -155,9 +157,11 @@ def test_installed_package_is_the_wheel(fresh_venv: FreshVenv) -> None:
     assert seen["template"] > 0
 
 
-@pytest.fixture
-def served(fresh_venv: FreshVenv, tiny_model_path: Path, tmp_path: Path) -> Iterator[str]:
-    """`tracetrain serve` from the installed entry point, on the tiny model with the in-process engine."""
+@pytest.fixture(scope="module")
+def served(fresh_venv: FreshVenv, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`tracetrain serve` from the installed entry point, on the tiny model with the in-process engine; one
+    server for the module, since the tests only read from it."""
+    tmp_path = tmp_path_factory.mktemp("served")
     port = free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:

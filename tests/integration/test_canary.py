@@ -27,6 +27,9 @@ from tracetrain.proxy.promotion import assigned_to_canary
 from tracetrain.store.db import make_engine
 from tracetrain.store.models import AgentSession
 
+# Each test runs up to 120 agent episodes, until the sequential test decides on the canary.
+pytestmark = pytest.mark.slow
+
 SHARE = 0.4
 
 
@@ -181,7 +184,6 @@ def _serve(model: Path, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes]
     raise RuntimeError("gateway did not become healthy")
 
 
-@pytest.mark.slow
 def test_gateway_processes_on_one_store_serve_and_drop_the_canary_together(tool_model_path: Path,
                                                                            tmp_path: Path) -> None:
     """Two `tracetrain serve` processes: the canary published through one is staged by the other from the

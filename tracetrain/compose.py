@@ -55,7 +55,8 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         config, engine, ChatRenderer(tokenizer, template=template), db,
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
         publishing=publishing, admission=Admission(config, db, metrics), gate=gate,
-        keys=KeyRing(config.api_keys, config.admin_key), metrics=metrics, load=load, engine_sleep=engine_sleep,
+        keys=KeyRing(config.agent_keys(), config.admin_key, untrained=config.untrained_keys()),
+        metrics=metrics, load=load, engine_sleep=engine_sleep,
         services=[make(publishing.publish, gate.hold_for_training) for make in services])
 
 

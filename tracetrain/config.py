@@ -176,6 +176,17 @@ class TrainConfig(BaseModel):
         return self
 
 
+class ApiKey(BaseModel):
+    """An agent key with its settings, where a plain string is the key with the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str = Field(min_length=1)
+    """The key itself."""
+    train: bool = True
+    """False: sessions this key creates are served and kept for audit, but never trained on or exported
+    for training (counted as set aside with reason `no_train_key`)."""
+
+
 class Config(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid",
                                       use_attribute_docstrings=True)
@@ -278,8 +289,9 @@ class Config(BaseSettings):
     """Store URL: SQLite (WAL) file or postgresql+psycopg://…"""
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """FULL survives power loss; NORMAL survives a killed process only, and commits faster."""
-    api_keys: list[str] = Field(default_factory=list)
-    """Agent keys: each may create sessions and read or reward its own."""
+    api_keys: list[str | ApiKey] = Field(default_factory=list)
+    """Agent keys: each may create sessions and read or reward its own. An entry is the key, or
+    `{key: …, train: false}` for a key whose sessions are never trained on (users who did not consent)."""
     admin_key: str | None = None
     """Key for listing, export and weight endpoints (and every session)."""
     metrics_key: Literal["none", "any", "admin"] = "none"
@@ -508,6 +520,13 @@ class Config(BaseSettings):
     def admission_limit(self) -> int:
         """Ready plus in-flight sessions above which `admission: staleness` holds new sessions."""
         return max(1, round(self.admission_batches * self.train.batch_sessions))
+
+    def agent_keys(self) -> list[str]:
+        return [k if isinstance(k, str) else k.key for k in self.api_keys]
+
+    def untrained_keys(self) -> list[str]:
+        """Keys whose sessions are never trained on."""
+        return [k.key for k in self.api_keys if isinstance(k, ApiKey) and not k.train]
 
     def is_loopback(self) -> bool:
         if self.host == "localhost":

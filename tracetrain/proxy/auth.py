@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -34,10 +35,15 @@ def fingerprint(key: str) -> str:
 
 
 class KeyRing:
-    def __init__(self, api_keys: list[str], admin_key: str | None) -> None:
+    def __init__(self, api_keys: list[str], admin_key: str | None, *, untrained: Sequence[str] = ()) -> None:
         self.open = not api_keys and not admin_key
         self._agents = {fingerprint(k) for k in api_keys}
         self._admin = fingerprint(admin_key) if admin_key else None
+        self._untrained = {fingerprint(k) for k in untrained}
+
+    def trains(self, owner: str | None) -> bool:
+        """Whether sessions of the key with fingerprint `owner` may be trained on (config `api_keys`)."""
+        return owner not in self._untrained
 
     def identify(self, authorization: str | None) -> Caller:
         if self.open:

@@ -45,6 +45,8 @@ class Binding:
     retry: bool = False
     """The client says it is retrying this request (`x-stainless-retry-count` above 0, sent by the OpenAI
     and Anthropic SDKs): it replaces a recorded call with the same messages (store/retries.py)."""
+    train: bool = True
+    """False (`X-Train: no`): the session is never trained on or exported for training."""
 
 
 RETRY_HEADER = "x-stainless-retry-count"
@@ -52,6 +54,17 @@ RETRY_HEADER = "x-stainless-retry-count"
 
 def _retry(value: str | None) -> bool:
     return value is not None and value.strip().isdigit() and int(value) > 0
+
+
+_TRAIN = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+
+
+def _train(value: str | None) -> bool:
+    if value is None:
+        return True
+    if value.strip().lower() not in _TRAIN:
+        raise APIError(400, "Invalid X-Train header: 'yes' or 'no'.", code="invalid_x_train")
+    return _TRAIN[value.strip().lower()]
 
 
 def _check(value: str | None, what: str) -> str | None:
@@ -79,7 +92,8 @@ def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str 
     session = (params.get("session") or request.headers.get("x-session-id") or metadata.get("session_id") or user
                or None)
     group = params.get("group") or request.headers.get("x-group-id") or metadata.get("group_id") or None
-    return Binding(_check(session, "session_id"), _check(group, "group_id"), _retry(request.headers.get(RETRY_HEADER)))
+    return Binding(_check(session, "session_id"), _check(group, "group_id"), _retry(request.headers.get(RETRY_HEADER)),
+                   _train(request.headers.get("x-train")))
 
 
 async def check_path_ids(request: Request) -> None:

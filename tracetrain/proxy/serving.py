@@ -29,7 +29,7 @@ from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request, redactor
 from tracetrain.proxy.render import TOOL_CALL_OPEN, cut_call, history_hashes, parse_forced_call, parse_reply
 from tracetrain.proxy.retries import Retried, find_retried
-from tracetrain.store import queries, retries
+from tracetrain.store import corrections, queries, retries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.messages import shared_prefix
 from tracetrain.store.models import CHAINED_LINKS, utcnow
@@ -292,12 +292,19 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     check_rollback = gw.config.promotion == "canary"
     retried = turn.retried
 
+    # Consent: the key's setting or the request's `X-Train: no` keeps the session out of training for good.
+    no_train = ("no_train_key" if not gw.keys.trains(turn.owner)
+                else "no_train_header" if not spec.binding.train else None)
+
     def write(db: Any) -> int:
         if retried is not None:
             retries.drop_retried(db, session_id=turn.session_id, completion_id=retried.completion_id,
                                  new_completion_id=spec.completion_id)
-        return queries.record_calls(db, session_id=turn.session_id, new_session=new_row, rows=rows,
-                                    check_rollback=check_rollback, redactions=kept.counts)
+        seq = queries.record_calls(db, session_id=turn.session_id, new_session=new_row, rows=rows,
+                                   check_rollback=check_rollback, redactions=kept.counts)
+        if no_train is not None:
+            corrections.mark_no_train(db, session_id=turn.session_id, reason=no_train, actor=turn.owner)
+        return seq
 
     await gw.writer.submit(write)
     if retried is not None:

@@ -1,6 +1,7 @@
-"""An admin's corrections to a session: keep it out of training (and let it back in), override its
-reward (and clear the override). Each one changes the session row and adds a `SessionAction` in the
-same transaction, so the audit trail and what the trainer sees never disagree."""
+"""An admin's corrections to a session: keep it out of training (and let it back in), mark it never
+to be trained on (consent: also by its key or request), override its reward (and clear the override).
+Each one changes the session row and adds a `SessionAction` in the same transaction, so the audit trail
+and what the trainer sees never disagree."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Reward, SessionAction
+from tracetrain.store.models import NO_TRAIN_REASONS, AgentSession, Reward, SessionAction
 
 
 def _record(db: Session, session: AgentSession, *, action: str, actor: str | None, note: str,
@@ -22,16 +23,35 @@ def _record(db: Session, session: AgentSession, *, action: str, actor: str | Non
 
 
 def set_excluded(db: Session, *, session_id: str, excluded: bool, actor: str | None, note: str = "",
-                 ) -> tuple[AgentSession, SessionAction] | None:
-    """Exclude the session from training, or include it again; None if it does not exist. A session a
-    trainer already learned from keeps its `trained_version`: exclusion only stops future claims."""
+                 ) -> tuple[AgentSession, SessionAction | None] | None:
+    """Exclude the session from training, or include it again; None if it does not exist, no action when
+    it is not for training (`NO_TRAIN_REASONS`) and cannot be included. A session a trainer already
+    learned from keeps its `trained_version`: exclusion only stops future claims."""
     session = db.get(AgentSession, session_id, with_for_update=True)
     if session is None:
         return None
+    if not excluded and session.skip_reason in NO_TRAIN_REASONS:
+        return session, None  # not for training: no one may let it back in
     old = {"excluded": session.excluded}
     session.excluded = excluded
     entry = _record(db, session, action="exclude" if excluded else "include", actor=actor, note=note,
                     old=old, new={"excluded": excluded})
+    return session, entry
+
+
+def mark_no_train(db: Session, *, session_id: str, reason: str, actor: str | None, note: str = "",
+                  ) -> tuple[AgentSession, SessionAction | None] | None:
+    """Never train on the session or export it for training (`reason`, one of `NO_TRAIN_REASONS`); it stays
+    served and kept. None if it does not exist; no action when it is already not for training."""
+    session = db.get(AgentSession, session_id, with_for_update=True)
+    if session is None:
+        return None
+    if session.skip_reason in NO_TRAIN_REASONS:
+        return session, None
+    old = {"excluded": session.excluded, "skip_reason": session.skip_reason}
+    session.excluded, session.skip_reason = True, reason
+    entry = _record(db, session, action="no_train", actor=actor, note=note, old=old,
+                    new={"excluded": True, "skip_reason": reason})
     return session, entry
 
 

@@ -17,13 +17,14 @@ from sqlmodel import Session
 
 from tracetrain.store import queries
 from tracetrain.store.messages import full_messages
+from tracetrain.store.models import NO_TRAIN_REASONS
 from tracetrain.store.trajectory import session_trajectories
 
 
 def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
     session = queries.get_session(db, session_id=session_id)
-    if session is None:
-        return
+    if session is None or session.skip_reason in NO_TRAIN_REASONS:
+        return  # kept for audit, never exported for training
     calls = queries.session_calls(db, session_id=session_id)
     by_id = {call.id: call for call in calls}
     rewards = queries.session_rewards(db, session_id=session_id)

@@ -22,7 +22,7 @@ from sqlalchemy import and_, case, exists, false, or_, update
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import AgentSession, Call, Policy, utcnow
+from tracetrain.store.models import NO_TRAIN_REASONS, AgentSession, Call, Policy, utcnow
 
 
 def _unused(*, include_set_aside: bool = False) -> ColumnElement[bool]:
@@ -168,9 +168,11 @@ def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
 
 
 def set_aside_reason() -> ColumnElement[str]:
-    """Why an unconsumed session was left out: `excluded` when an admin excluded it, whatever the
-    trainer said of it before, else the trainer's `skip_reason`."""
-    return case((col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
+    """Why an unconsumed session was left out: its `no_train_*` reason when it is not for training, else
+    `excluded` when an admin excluded it, whatever the trainer said of it before, else the trainer's
+    `skip_reason`."""
+    return case((col(AgentSession.skip_reason).in_(NO_TRAIN_REASONS), col(AgentSession.skip_reason)),
+                (col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
 
 
 def is_set_aside() -> ColumnElement[bool]:

@@ -230,7 +230,11 @@ class ReplicaAck(SQLModel, table=True):
     process: str = Field(primary_key=True, max_length=128)
 
 
-SESSION_ACTIONS = ("exclude", "include", "reward_override", "clear_reward_override")
+SESSION_ACTIONS = ("exclude", "include", "reward_override", "clear_reward_override", "no_train")
+
+NO_TRAIN_REASONS = ("no_train_key", "no_train_header", "no_train_admin")
+"""A session's `skip_reason` (with `excluded` set) when it must never be trained on or exported for
+training: its key's setting, its request's `X-Train: no`, an admin's word. No admin can include it again."""
 
 
 class SessionActionBase(SQLModel):

@@ -1,6 +1,6 @@
 """An admin's corrections to a session, which the trainer honours: exclude it from training, include it
-again, override its reward with a note, clear the override; and the audit trail of them (who, by key
-fingerprint, and when)."""
+again, mark it never to be trained on (consent withdrawn), override its reward with a note, clear the
+override; and the audit trail of them (who, by key fingerprint, and when)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ async def _apply(gw: Gateway, session_id: str, change: Change, unchanged: APIErr
 async def _exclusion(gw: Gateway, session_id: str, caller: Caller, body: NoteRequest | None,
                      excluded: bool) -> CorrectionResponse:
     note = body.note if body is not None else ""
+    unchanged = APIError(409, f"Session '{session_id}' is not for training (its key, its request or an admin "
+                         "said so): it cannot be included.", code="not_for_training")
     return await _apply(gw, session_id, lambda db: corrections.set_excluded(
-        db, session_id=session_id, excluded=excluded, actor=caller.owner, note=note))
+        db, session_id=session_id, excluded=excluded, actor=caller.owner, note=note), unchanged)
 
 
 @router.post("/v1/sessions/{session_id}/exclude", response_model=CorrectionResponse)
@@ -67,11 +69,24 @@ async def exclude(gw: GatewayDep, session_id: str, caller: AdminDep,
     return await _exclusion(gw, session_id, caller, body, True)
 
 
-@router.post("/v1/sessions/{session_id}/include", response_model=CorrectionResponse)
+@router.post("/v1/sessions/{session_id}/include", response_model=CorrectionResponse,
+             responses=error_responses(409))
 async def include(gw: GatewayDep, session_id: str, caller: AdminDep,
                   body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
-    """Let an excluded session be trained on again."""
+    """Let an excluded session be trained on again. 409 `not_for_training` for a session not for training."""
     return await _exclusion(gw, session_id, caller, body, False)
+
+
+@router.post("/v1/sessions/{session_id}/no_train", response_model=CorrectionResponse,
+             responses=error_responses(409))
+async def no_train(gw: GatewayDep, session_id: str, caller: AdminDep,
+                   body: Annotated[NoteRequest | None, Body()] = None) -> CorrectionResponse:
+    """Never train on the session or export it for training (a user withdrew consent); it stays served and
+    kept for audit, and no one can include it again. 409 `not_for_training` when it already is."""
+    note = body.note if body is not None else ""
+    unchanged = APIError(409, f"Session '{session_id}' is already not for training.", code="not_for_training")
+    return await _apply(gw, session_id, lambda db: corrections.mark_no_train(
+        db, session_id=session_id, reason="no_train_admin", actor=caller.owner, note=note), unchanged)
 
 
 @router.post("/v1/sessions/{session_id}/reward_override", response_model=CorrectionResponse)

@@ -105,7 +105,7 @@ async def _spec(gw: Gateway, request: Request, body: ResponsesRequest, caller: C
         if binding.session_id not in (None, previous.session_id):
             raise APIError(400, f"previous_response_id belongs to session '{previous.session_id}', not "
                            f"'{binding.session_id}'.", code="session_mismatch", param="previous_response_id")
-        binding = Binding(previous.session_id, binding.group_id, binding.retry)
+        binding = Binding(previous.session_id, binding.group_id, binding.retry, binding.train)
         sent = await gw.read(lambda db: call_messages(db, call=previous))
         history = [m for m in sent if m.get("source") != INSTRUCTIONS] + [previous.response_message]
     known = {c["id"] for m in history for c in m.get("tool_calls") or []}

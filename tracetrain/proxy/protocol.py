@@ -233,7 +233,19 @@ class Metadata(RequestModel):
 NO_PENALTY = "0"
 
 
-class ChatCompletionRequest(RequestModel):
+class UnappliedPenalties(RequestModel):
+    """OpenAI's penalties and logit bias, which this gateway's engines are not given: refused by name
+    unless neutral, never silently ignored (Chat Completions and Completions alike)."""
+
+    frequency_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
+        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
+    presence_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
+        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
+    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0), neutral_only("an empty map")] = Field(
+        default=None, description="Not applied by this gateway's engines: only an empty map is accepted.")
+
+
+class ChatCompletionRequest(UnappliedPenalties):
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}]})
     model: str
@@ -249,12 +261,6 @@ class ChatCompletionRequest(RequestModel):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), INTEGRAL] | None = None
-    frequency_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
-        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
-    presence_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
-        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
-    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0), neutral_only("an empty map")] = Field(
-        default=None, description="Not applied by this gateway's engines: only an empty map is accepted.")
     top_k: Annotated[Literal[-1, 0] | None, neutral_only("-1 or 0 (no top-k cut)")] = Field(
         default=None, description="vLLM's extension; not applied by this gateway's engines: only -1 or 0 (no "
         "top-k cut) is accepted.")

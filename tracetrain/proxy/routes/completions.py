@@ -25,7 +25,14 @@ from tracetrain.proxy.errors import APIError, error_body, refusal
 from tracetrain.proxy.event_stream import FLUSH, EventStream
 from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import generation_responses
-from tracetrain.proxy.protocol import INTEGRAL, NO_PENALTY, SEED_MAX, SEED_MIN, Metadata, RequestModel, neutral_only
+from tracetrain.proxy.protocol import (
+    INTEGRAL,
+    SEED_MAX,
+    SEED_MIN,
+    Metadata,
+    UnappliedPenalties,
+    neutral_only,
+)
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,
@@ -57,7 +64,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0), INTEGRAL]], Field(min_leng
 Text = Annotated[str, Field(min_length=1)]
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(UnappliedPenalties):
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
         {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 16}]})
     model: str
@@ -74,12 +81,6 @@ class CompletionRequest(RequestModel):
     echo: Annotated[Literal[False], neutral_only("false", boolean=True)] = Field(default=False,
                                                                                   description="Not supported.")
     suffix: Annotated[Literal[""] | None, neutral_only("null")] = Field(default=None, description="Not supported.")
-    frequency_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
-        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
-    presence_penalty: Annotated[Literal[0] | None, neutral_only(NO_PENALTY)] = Field(
-        default=None, description="Not applied by this gateway's engines: only 0 is accepted.")
-    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0), neutral_only("an empty map")] = Field(
-        default=None, description="Not applied by this gateway's engines: only an empty map is accepted.")
     stream: bool = False
     user: BindingId | None = None
     metadata: Metadata | None = None

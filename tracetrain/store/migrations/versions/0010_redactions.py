@@ -24,7 +24,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("calls") as batch:
-        batch.drop_column("redactions")
-    with op.batch_alter_table("sessions") as batch:
-        batch.drop_column("redactions")
+    # Plain DROP COLUMN (SQLite 3.35+), not a batch copy: recreating `sessions` on SQLite trips the foreign
+    # key from `calls` (as in 0006).
+    op.drop_column("calls", "redactions")
+    op.drop_column("sessions", "redactions")

@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
+from tests.support.tool_model import overfit
 from tracetrain.engines.transformers_engine import TransformersEngine
 
 TINY = "tiny"
@@ -100,16 +101,7 @@ def two_calls_model_dir(steps: int = 80) -> Path:
     prompt = ChatRenderer(tokenizer).render([{"role": "user", "content": QUESTION}], TWO_TOOLS, generation=True)
     reply = tokenizer.encode(TWO_CALLS, add_special_tokens=False) + tokenizer.encode("<|im_end|>",
                                                                                      add_special_tokens=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=torch.tensor([prompt + reply]), labels=torch.tensor([[-100] * len(prompt) + reply])).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    if loss.item() > 0.05:
-        raise RuntimeError(f"two-calls model did not converge (loss {loss.item():.3f})")
+    overfit(model, [(prompt, reply)], steps=steps, what="two-calls model")
     return save_model_dir(target, model, tokenizer)
 
 

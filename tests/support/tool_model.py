@@ -61,6 +61,15 @@ def tool_model_dir(steps: int = 80) -> Path:
         (renderer.render([{"role": "user", "content": GREETING[0]}], None, generation=True), GREETING[1]),
     ]
     sequences = [(prompt, tokenizer.encode(reply, add_special_tokens=False) + end) for prompt, reply in examples]
+    overfit(model, sequences, steps=steps, what="tool model")
+    return save_model_dir(target, model, tokenizer)
+
+
+def overfit(model: Any, sequences: list[tuple[list[int], list[int]]], *, steps: int, what: str) -> None:
+    """Teach `model` each (prompt ids, reply ids) by heart: AdamW on the reply tokens only, every sequence
+    once per step. RuntimeError naming `what` when the last loss is not near zero."""
+    import torch
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
     model.train()
@@ -73,5 +82,4 @@ def tool_model_dir(steps: int = 80) -> Path:
             optimizer.step()
             optimizer.zero_grad()
     if loss.item() > 0.05:
-        raise RuntimeError(f"tool model did not converge (loss {loss.item():.3f})")
-    return save_model_dir(target, model, tokenizer)
+        raise RuntimeError(f"{what} did not converge (loss {loss.item():.3f})")

@@ -27,6 +27,7 @@ from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
+from tracetrain.redaction.redactor import Redactor
 from tracetrain.store.writer import StoreWriter
 
 Publish = Callable[[Checkpoint], Coroutine[Any, Any, None]]
@@ -56,7 +57,8 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
         publishing=publishing, admission=Admission(config, db, metrics), gate=gate,
         keys=KeyRing(config.agent_keys(), config.admin_key, untrained=config.untrained_keys()),
-        metrics=metrics, load=load, engine_sleep=engine_sleep,
+        metrics=metrics, redactor=Redactor(config.redaction, config.redaction_patterns), load=load,
+        engine_sleep=engine_sleep,
         services=[make(publishing.publish, gate.hold_for_training) for make in services])
 
 

@@ -31,6 +31,7 @@ from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
+from tracetrain.redaction.redactor import Redactor
 from tracetrain.store import holds, search_index
 from tracetrain.store.writer import StoreWriter
 
@@ -56,7 +57,8 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, renderer: ChatRenderer, db: DBEngine, *,
                  writer: StoreWriter, sessions: SessionDirectory, publishing: PublishController,
                  admission: Admission, gate: GenerationGate, keys: KeyRing, metrics: GatewayMetrics,
-                 load: Load, engine_sleep: EngineSleep | None = None, services: Sequence[Service] = ()) -> None:
+                 redactor: Redactor, load: Load, engine_sleep: EngineSleep | None = None,
+                 services: Sequence[Service] = ()) -> None:
         self.config = config
         self.engine = engine
         self.renderer = renderer
@@ -71,6 +73,8 @@ class Gateway:
         self.gate = gate
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.keys = keys
+        self.redactor = redactor
+        """What is kept of each call (`redaction`, `redaction_patterns`; proxy/redact.py)."""
         self.metrics = metrics
         self.engine_sleep = engine_sleep
         """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""

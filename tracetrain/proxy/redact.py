@@ -9,25 +9,13 @@ The values found live in this call's memory only.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from tracetrain.config import Config
 from tracetrain.proxy.chain import ChainNode
 from tracetrain.proxy.render import ChatRenderer, canonical_message, history_hashes
 from tracetrain.redaction.redactor import Found, Redactor
-
-
-def redactor(config: Config) -> Redactor:
-    """The gateway's redactor for its settings (built once: the patterns compile once)."""
-    return _redactor(config.redaction, tuple(config.redaction_patterns.items()))
-
-
-@functools.lru_cache(maxsize=8)
-def _redactor(mode: str, patterns: tuple[tuple[str, str], ...]) -> Redactor:
-    return Redactor(mode, dict(patterns))
 
 
 @dataclass

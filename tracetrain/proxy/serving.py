@@ -26,7 +26,7 @@ from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
 from tracetrain.proxy.constraints import Constraint
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request, redactor
+from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request
 from tracetrain.proxy.render import TOOL_CALL_OPEN, cut_call, history_hashes, parse_forced_call, parse_reply
 from tracetrain.proxy.retries import Retried, find_retried
 from tracetrain.store import corrections, queries, retries
@@ -129,7 +129,7 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     session_id = spec.binding.session_id or spec.completion_id
     caller = Caller(owner=owner, admin=admin)
     stored = await gw.sessions.owned(session_id, caller, must_exist=False) if spec.binding.session_id else None
-    redaction = redact_request(redactor(gw.config), spec.messages, spec.request_messages)
+    redaction = redact_request(gw.redactor, spec.messages, spec.request_messages)
     hashed = redaction.messages if redaction else spec.messages
     group_id = spec.binding.group_id or (stored.group_id if stored else prompt_group(hashed))
     if stored is None:
@@ -251,7 +251,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     plan, spec = turn.plan, turn.spec
     prompt_delta = plan.prompt_ids[plan.prefix_len :]
     latency_ms = (time.perf_counter() - turn.started) * 1000
-    redacting, found = redactor(gw.config), turn.redaction
+    redacting, found = gw.redactor, turn.redaction
     sent = found.sent if found else spec.request_messages
     inherited = _inherited_messages(turn, sent)
     # What the store gets: placeholders and masked ids where redaction found something (proxy/redact.py).

@@ -20,8 +20,8 @@ from tracetrain.engines.replicas import ReplicaSet
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.engine_sleep import EngineSleep
-from tracetrain.proxy.gate import GenerationGate
 from tracetrain.proxy.gateway import Gateway, Load, Service, read_in_thread
+from tracetrain.proxy.holds import GenerationHolds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.publish_control import PublishController
@@ -44,22 +44,22 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
     metrics = GatewayMetrics()
     metrics.queue_depth.set_function(lambda: writer.queue_depth)
     metrics.policy_version.set_function(lambda: engine.version)
-    gate = GenerationGate()
-    engine_sleep = (EngineSleep(gate, engine) if config.engine_sleep == "on" and isinstance(engine, ReplicaSet)
+    holds = GenerationHolds()
+    engine_sleep = (EngineSleep(holds, engine) if config.engine_sleep == "on" and isinstance(engine, ReplicaSet)
                     else None)
     read = functools.partial(read_in_thread, db)
     canary = Promotion(config, engine, read=read, write=writer.submit)
-    publishing = PublishController(engine, publisher, writer=writer, read=read, gate=gate, canary=canary,
+    publishing = PublishController(engine, publisher, writer=writer, read=read, holds=holds, canary=canary,
                                    engine_sleep=engine_sleep)
     template = config.chat_template.read_text() if config.chat_template else None
     return Gateway(
         config, engine, ChatRenderer(tokenizer, template=template), db,
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
-        publishing=publishing, admission=Admission(config, db, metrics), gate=gate,
+        publishing=publishing, admission=Admission(config, db, metrics), holds=holds,
         keys=KeyRing(config.agent_keys(), config.admin_key, untrained=config.untrained_keys()),
         metrics=metrics, redactor=Redactor(config.redaction, config.redaction_patterns), load=load,
         engine_sleep=engine_sleep,
-        services=[make(publishing.publish, gate.hold_for_training) for make in services])
+        services=[make(publishing.publish, holds.hold_for_training) for make in services])
 
 
 def trainer_service(config: Config, db: DBEngine, model_dir: Any) -> ServiceFactory:

@@ -19,7 +19,7 @@ from tests.support.servers import free_port
 from tracetrain.engines.replicas import Replica, ReplicaSet
 from tracetrain.engines.vllm import VLLMEngine
 from tracetrain.proxy.engine_sleep import ASLEEP, EngineSleep
-from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.holds import GenerationHolds
 
 
 @pytest.fixture
@@ -58,23 +58,23 @@ async def _until(condition: object, timeout_s: float = 5.0) -> None:
 async def test_sleeps_once_drained_and_keeps_calls_out_until_awake(sleep_endpoints: tuple[str, list[str]]) -> None:
     url, calls = sleep_endpoints
     replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
-    gate = GenerationGate()
-    sleeper = EngineSleep(gate, replicas, interval_s=0.01)
+    holds = GenerationHolds()
+    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
     task = asyncio.create_task(sleeper.run())
     try:
         replicas.router.outstanding[0] = 1  # a call still running: the engine must not sleep under it
-        gate.close("train")
+        holds.hold("train")
         await asyncio.sleep(0.1)
         assert calls == [] and not sleeper.asleep
         replicas.router.outstanding[0] = 0
         await _until(lambda: calls)
-        assert calls == ["sleep 1"] and ASLEEP in gate.holders and sleeper.asleep
+        assert calls == ["sleep 1"] and ASLEEP in holds.holders and sleeper.asleep
         await sleeper.wake()  # what a publish does first
         assert calls == ["sleep 1", "wake weights", "wake kv_cache"]  # weights before the cache
-        assert gate.holders == ["train"]  # still held by the step until it ends
-        gate.open("train")
+        assert holds.holders == ["train"]  # still held by the step until it ends
+        holds.release("train")
         await asyncio.sleep(0.1)
-        assert gate.is_open() and sleeper.cycles == 1 and len(calls) == 3  # awake already: no second wake
+        assert holds.is_free() and sleeper.cycles == 1 and len(calls) == 3  # awake already: no second wake
     finally:
         task.cancel()
         await replicas.close()
@@ -83,16 +83,16 @@ async def test_sleeps_once_drained_and_keeps_calls_out_until_awake(sleep_endpoin
 async def test_a_hold_that_ends_wakes_the_engine(sleep_endpoints: tuple[str, list[str]]) -> None:
     url, calls = sleep_endpoints
     replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
-    gate = GenerationGate()
-    sleeper = EngineSleep(gate, replicas, interval_s=0.01)
+    holds = GenerationHolds()
+    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
     task = asyncio.create_task(sleeper.run())
     try:
-        gate.close("remote:trainer-7")  # a trainer in another process, mirrored from the store
+        holds.hold("remote:trainer-7")  # a trainer in another process, mirrored from the store
         await _until(lambda: calls)
-        gate.open("remote:trainer-7")
-        await _until(lambda: gate.is_open())
+        holds.release("remote:trainer-7")
+        await _until(lambda: holds.is_free())
         assert calls == ["sleep 1", "wake weights", "wake kv_cache"] and not sleeper.asleep
-        gate.close("publish")  # a publish's own pause is not a training step
+        holds.hold("publish")  # a publish's own pause is not a training step
         await asyncio.sleep(0.1)
         assert not sleeper.asleep
     finally:

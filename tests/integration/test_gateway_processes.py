@@ -146,7 +146,7 @@ def test_a_hold_placed_through_one_process_stops_the_other(two_gateways: list[st
                                               done.append(time.monotonic())))
     thread.start()
     time.sleep(1.5)
-    assert not done  # waiting at the gate, not refused
+    assert not done  # held, not refused
     released = time.monotonic()
     assert httpx.post(f"{holder}/v1/generation/release", json={"holder": "trainer"}, timeout=30).status_code == 200
     thread.join(timeout=60)

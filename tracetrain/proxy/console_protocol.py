@@ -120,7 +120,7 @@ class TrafficCounters(BaseModel):
 
 class TrainerState(BaseModel):
     state: Literal["held", "stepping", "waiting"]
-    """`held`: new generations wait at the gate (a `sync`-mode training step or a weight reload);
+    """`held`: new generations are held (a `sync`-mode training step or a weight reload);
     `stepping`: a trainer has claimed sessions for a step it is gathering or training; `waiting`: no
     claim runs, `ready` sessions wait for a trainer."""
     ready: int

@@ -3,7 +3,7 @@
 The same steps as `serving.prepare` up to the prompt (the model, the session binding and its owner, the
 earlier call the messages extend, the forced tool-call opener), so a count is exactly the `input_tokens` the
 same request then gets as a Messages call; none of the steps that act (admission, the canary's pinning, the
-generation gate). A request in a session with calls is counted on its token chain, as it would be sent.
+generation holds). A request in a session with calls is counted on its token chain, as it would be sent.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """vLLM asleep while a `sync`-mode step trains on the GPU it shares with the trainer (`engine_sleep`).
 
-The trainer holds generation at the gate for its step (proxy/gate.py; through the store when it runs
-in another process). Once no call is outstanding on any replica, every replica sleeps; the gate then
+The trainer holds generation for its step (proxy/holds.py; through the store when it runs
+in another process). Once no call is outstanding on any replica, every replica sleeps; generation then
 stays closed under the holder `asleep` until they are awake again, so no call reaches a sleeping
 engine. They wake when a new version is published (before it loads: LoRA loading and weight reloads
 need the weights on the GPU) or when the training hold ends, whichever comes first.
@@ -14,7 +14,7 @@ import logging
 
 from tracetrain.engines import vllm_sleep
 from tracetrain.engines.replicas import ReplicaSet
-from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.holds import GenerationHolds
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ NOT_TRAINING = {ASLEEP, "publish"}
 
 
 class EngineSleep:
-    def __init__(self, gate: GenerationGate, replicas: ReplicaSet, *, interval_s: float = 0.05) -> None:
-        self.gate = gate
+    def __init__(self, holds: GenerationHolds, replicas: ReplicaSet, *, interval_s: float = 0.05) -> None:
+        self.holds = holds
         self.replicas = replicas
         self.interval_s = interval_s
         self.asleep = False
@@ -35,13 +35,13 @@ class EngineSleep:
         self._lock = asyncio.Lock()
 
     def _training(self) -> bool:
-        return any(holder not in NOT_TRAINING for holder in self.gate.holders)
+        return any(holder not in NOT_TRAINING for holder in self.holds.holders)
 
     def _idle(self) -> bool:
         return not any(self.replicas.router.outstanding)
 
     async def run(self) -> None:
-        """Follow the gate until cancelled; a failed sleep leaves the engine awake and serving."""
+        """Follow the holds until cancelled; a failed sleep leaves the engine awake and serving."""
         while True:
             await asyncio.sleep(self.interval_s)
             try:
@@ -56,7 +56,7 @@ class EngineSleep:
         async with self._lock:
             if self.asleep:
                 return
-            self.gate.close(ASLEEP)  # before the first replica sleeps: the training hold may end meanwhile
+            self.holds.hold(ASLEEP)  # before the first replica sleeps: the training hold may end meanwhile
             self.asleep = True
             try:
                 await asyncio.gather(*(vllm_sleep.sleep(r.url) for r in self.replicas.replicas))
@@ -66,7 +66,7 @@ class EngineSleep:
             log.info("vLLM asleep while the trainer steps (%d replicas)", len(self.replicas.replicas))
 
     async def wake(self) -> None:
-        """Wake every replica if asleep (a publish calls this first); the gate opens once all are awake."""
+        """Wake every replica if asleep (a publish calls this first); the `asleep` hold ends once all wake."""
         async with self._lock:
             if self.asleep:
                 await self._wake_all()
@@ -80,4 +80,4 @@ class EngineSleep:
             # An engine that failed to wake fails its calls with the engine's error, which the health
             # check then takes out of routing; holding every agent forever would be worse.
             self.asleep = False
-            self.gate.open(ASLEEP)
+            self.holds.release(ASLEEP)

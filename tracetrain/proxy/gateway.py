@@ -5,7 +5,7 @@ The parts are built in one place (tracetrain/compose.py) and handed in whole; ea
 - `sessions` (proxy/session_directory.py): who owns a session, the one access check, token chains;
 - `publishing` (proxy/publish_control.py): new versions into serving, the canary, replica sync;
 - `writer` (store/writer.py): every write to the store, committed in batches;
-- `admission`, `gate`, `keys`, `metrics`: admission of new sessions, the generation gate, API keys, metrics.
+- `admission`, `holds`, `keys`, `metrics`: admission of new sessions, the generation holds, API keys, metrics.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gate import GenerationGate, mirror_store_holds
+from tracetrain.proxy.holds import GenerationHolds, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
 from tracetrain.redaction.redactor import Redactor
-from tracetrain.store import holds, search_index
+from tracetrain.store import search_index
+from tracetrain.store.holds import active_holders
 from tracetrain.store.writer import StoreWriter
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Service(Protocol):
 class Gateway:
     def __init__(self, config: Config, engine: Engine, renderer: ChatRenderer, db: DBEngine, *,
                  writer: StoreWriter, sessions: SessionDirectory, publishing: PublishController,
-                 admission: Admission, gate: GenerationGate, keys: KeyRing, metrics: GatewayMetrics,
+                 admission: Admission, holds: GenerationHolds, keys: KeyRing, metrics: GatewayMetrics,
                  redactor: Redactor, load: Load, engine_sleep: EngineSleep | None = None,
                  services: Sequence[Service] = ()) -> None:
         self.config = config
@@ -70,7 +71,7 @@ class Gateway:
         """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
         self.admission = admission
         """Under `admission: staleness`, holds new sessions while the trainer has enough work."""
-        self.gate = gate
+        self.holds = holds
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.keys = keys
         self.redactor = redactor
@@ -87,7 +88,7 @@ class Gateway:
         if hasattr(self.engine, "start"):  # a replica set's health checks
             self.engine.start()
         await self.publishing.start()
-        self._tasks.append(asyncio.create_task(mirror_store_holds(self.gate, lambda: self.read(holds.active_holders))))
+        self._tasks.append(asyncio.create_task(mirror_store_holds(self.holds, lambda: self.read(active_holders))))
         self._tasks.append(asyncio.create_task(self._index_search()))
         if self.engine_sleep is not None:
             self._tasks.append(asyncio.create_task(self.engine_sleep.run()))

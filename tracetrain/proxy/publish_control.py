@@ -17,7 +17,7 @@ from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
 from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
-from tracetrain.proxy.gate import GenerationGate
+from tracetrain.proxy.holds import GenerationHolds
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.replica_sync import Read, ReplicaSync
 from tracetrain.store import promotion as versions
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class PublishController:
     def __init__(self, engine: Engine, publisher: Publisher | None, *, writer: StoreWriter, read: Read,
-                 gate: GenerationGate, canary: Promotion, engine_sleep: EngineSleep | None) -> None:
+                 holds: GenerationHolds, canary: Promotion, engine_sleep: EngineSleep | None) -> None:
         self.engine = engine
         self.publisher = publisher
         """Puts new weights into the engine; None when this gateway does not publish (no training)."""
@@ -37,7 +37,7 @@ class PublishController:
         """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
         self.replica_sync: ReplicaSync | None = None
         """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
-        self._writer, self._read, self._gate, self._engine_sleep = writer, read, gate, engine_sleep
+        self._writer, self._read, self._holds, self._engine_sleep = writer, read, holds, engine_sleep
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._notes: set[asyncio.Task[Any]] = set()
@@ -98,15 +98,15 @@ class PublishController:
             await self.canary.stage(checkpoint)
             return
         # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
-        # run on the new weights under the old label: hold new generations at the gate instead.
+        # run on the new weights under the old label: hold new generations instead.
         pauses = getattr(self.publisher, "pauses_engine", False)
         if pauses:
-            self._gate.close("publish")
+            self._holds.hold("publish")
         try:
             await self.publisher.publish(checkpoint)
         finally:
             if pauses:
-                self._gate.open("publish")
+                self._holds.release("publish")
         await self._writer.submit(lambda db: versions.mark_published(
             db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
             promotion="immediate"))

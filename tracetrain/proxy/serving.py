@@ -179,7 +179,7 @@ def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
 
 async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
     """Sample one choice into `choice`, calling `on_delta` after each piece."""
-    await gw.gate.wait()
+    await gw.holds.wait()
     turn.version = gw.engine.version
     params = turn.spec.params
     if params.seed is not None and choice.index:

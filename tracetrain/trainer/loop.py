@@ -55,13 +55,13 @@ def step_times(figures: dict[str, Any]) -> dict[str, float]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, db: DBEngine, base_dir: Path, *, publish: PublishFn | None = None,
-                 gate: Callable[[bool], None] | None = None) -> None:
+                 hold: Callable[[bool], None] | None = None) -> None:
         self.cfg = cfg
         self._merged = cfg.publishes_merged()
         self.db = db
         self.base_dir = base_dir
         self.publish = publish
-        self.gate = gate
+        self.hold = hold
         """Called with True while a step trains and False after: `sync` mode pauses generation with it."""
         self.trainer_id = f"trainer-{uuid.uuid4().hex[:8]}"
         self.counts = {"steps": 0, "samples": 0, "stale": 0, "zero_variance": 0, "publish_failures": 0}
@@ -141,11 +141,11 @@ class Trainer:
         gathered = batch.figures(self.version)
         for reason, n in batch.set_aside.items():
             self.counts[reason] = self.counts.get(reason, 0) + n
-        if self.gate:
-            self.gate(True)
+        if self.hold:
+            self.hold(True)
         try:
             figures = self._train(batch.samples)
-            if self.gate:  # sync mode: the engine may wake into this GPU's memory for the publish below
+            if self.hold:  # sync mode: the engine may wake into this GPU's memory for the publish below
                 release_cached_memory()
             self.version += 1
             began = time.perf_counter()
@@ -159,8 +159,8 @@ class Trainer:
             self.batches.release(batch)
             raise
         finally:
-            if self.gate:
-                self.gate(False)
+            if self.hold:
+                self.hold(False)
         return True
 
     def _train(self, samples: list[Sample]) -> dict[str, Any]:

@@ -53,12 +53,12 @@ class TrainerThread:
             checkpoint = Checkpoint(version, path, kind)  # type: ignore[arg-type]
             asyncio.run_coroutine_threadsafe(self.publish_async(checkpoint), loop).result(timeout=600)
 
-        def gate(training: bool) -> None:
+        def hold(training: bool) -> None:
             loop.call_soon_threadsafe(self.hold, training)
 
         try:
             trainer = Trainer(self.cfg, self.db, self.base_dir, publish=publish,
-                              gate=gate if self.cfg.mode == "sync" else None)
+                              hold=hold if self.cfg.mode == "sync" else None)
             trainer.run(self.stop_event)
         except BaseException as exc:
             self.error = exc
@@ -66,18 +66,18 @@ class TrainerThread:
             raise
 
 
-def remote_gate(gateway_url: str, admin_key: str | None, *, holder: str, ttl_s: float) -> Callable[[bool], None]:
-    """The `sync`-mode gate of a trainer in another process: hold the gateway's generation over HTTP
+def remote_hold(gateway_url: str, admin_key: str | None, *, holder: str, ttl_s: float) -> Callable[[bool], None]:
+    """The `sync`-mode hold of a trainer in another process: hold the gateway's generation over HTTP
     while a step runs. The hold lapses after `ttl_s` should this process die mid-step."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
-    def gate(training: bool) -> None:
+    def hold(training: bool) -> None:
         path, body = ("hold", {"holder": holder, "ttl_s": ttl_s}) if training else ("release", {"holder": holder})
         response = httpx.post(f"{gateway_url}/v1/generation/{path}", headers=headers, json=body, timeout=30)
         if response.status_code != 200:
             raise RuntimeError(f"gateway answered {response.status_code} to {path}: {response.text[:500]}")
 
-    return gate
+    return hold
 
 
 def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: str | None,
@@ -92,14 +92,14 @@ def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: 
         if response.status_code != 200:
             raise RuntimeError(f"gateway answered {response.status_code}: {response.text[:500]}")
 
-    gate = None
+    hold = None
     if cfg.mode == "sync":
         if gateway_url is None:
             raise ValueError("train.mode=sync needs --gateway-url: the trainer must hold the gateway's generation "
                              "while it steps")
-        gate = remote_gate(gateway_url, admin_key, holder=f"trainer-{os.getpid()}", ttl_s=cfg.lease_s)
+        hold = remote_hold(gateway_url, admin_key, holder=f"trainer-{os.getpid()}", ttl_s=cfg.lease_s)
     stop = threading.Event()
-    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None, gate=gate)
+    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None, hold=hold)
     try:
         trainer.run(stop)
     except KeyboardInterrupt:

@@ -49,7 +49,7 @@ async def overview(gw: GatewayDep, _: AdminDep) -> Overview:
         return console.status_counts(db), leases.ready_count(db), leases.leased_count(db), leases.latest_policy(db)
 
     statuses, ready, leased, latest = await gw.read(read)
-    holders = gw.gate.holders
+    holders = gw.holds.holders
     state: Literal["held", "stepping", "waiting"] = "held" if holders else "stepping" if leased else "waiting"
     trained = latest is not None and latest.version > 0
     return Overview(

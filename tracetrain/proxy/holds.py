@@ -1,10 +1,10 @@
-"""Whether new generations may start: closed while any holder holds it.
+"""Generation holds: new generations wait while any holder holds generation.
 
 Holders are a `sync`-mode training step (in the gateway process, or a separate trainer over HTTP,
 whose hold is kept in the store so that every gateway process on it obeys) and a publisher that
 pauses the engine for an in-place weight reload. A count of holders, not one flag, so that a reload
 finishing inside a training step does not reopen generation early. A holder that may die while
-holding (a remote trainer) gives a time-to-live, after which the gate reopens by itself rather than
+holding (a remote trainer) gives a time-to-live, after which the hold lapses by itself rather than
 stall every agent.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 log = logging.getLogger(__name__)
 
 
-class GenerationGate:
+class GenerationHolds:
     """Use from the event loop's thread (other threads: `loop.call_soon_threadsafe`)."""
 
     def __init__(self) -> None:
@@ -27,29 +27,29 @@ class GenerationGate:
         self._open.set()
         self._holders: dict[str, asyncio.TimerHandle | None] = {}
         self._changed: dict[str, float] = {}
-        """When each holder last closed or opened the gate (monotonic clock), for `changed_since`."""
+        """When each holder last placed or released its hold (monotonic clock), for `changed_since`."""
 
     @property
     def holders(self) -> list[str]:
         return sorted(self._holders)
 
-    def is_open(self) -> bool:
+    def is_free(self) -> bool:
         return not self._holders
 
     async def wait(self) -> None:
         await self._open.wait()
 
-    def close(self, holder: str, ttl_s: float | None = None) -> None:
-        """Hold the gate for `holder` (again: the time-to-live restarts)."""
+    def hold(self, holder: str, ttl_s: float | None = None) -> None:
+        """Hold generation for `holder` (again: the time-to-live restarts)."""
         timer = self._holders.pop(holder, None)
         if timer is not None:
             timer.cancel()
-        expiry = asyncio.get_running_loop().call_later(ttl_s, self.open, holder) if ttl_s else None
+        expiry = asyncio.get_running_loop().call_later(ttl_s, self.release, holder) if ttl_s else None
         self._holders[holder] = expiry
         self._changed[holder] = time.monotonic()
         self._open.clear()
 
-    def open(self, holder: str) -> None:
+    def release(self, holder: str) -> None:
         """Release `holder`'s hold; generation resumes when no holder is left. Unknown holders: no-op."""
         timer = self._holders.pop(holder, None)
         if timer is not None:
@@ -59,23 +59,23 @@ class GenerationGate:
             self._open.set()
 
     def changed_since(self, holder: str, since: float) -> bool:
-        """Whether `holder` closed or opened the gate after `since` (monotonic clock)."""
+        """Whether `holder` placed or released its hold after `since` (monotonic clock)."""
         return self._changed.get(holder, -math.inf) > since
 
     def hold_for_training(self, training: bool) -> None:
         """A `sync`-mode step in this process: closed while it trains (the trainer's `hold`)."""
-        (self.close if training else self.open)("train")
+        (self.hold if training else self.release)("train")
 
 
 REMOTE = "remote:"
-"""Gate holders that mirror a hold in the store (a trainer's, placed through any gateway process)."""
+"""Holders that mirror a hold in the store (a trainer's, placed through any gateway process)."""
 
 
-async def mirror_store_holds(gate: GenerationGate, read_holders: Callable[[], Awaitable[Sequence[str]]],
+async def mirror_store_holds(holds: GenerationHolds, read_holders: Callable[[], Awaitable[Sequence[str]]],
                              interval_s: float = 0.25) -> None:
-    """Keep this process's gate closed exactly while the store has live holds, so that a hold placed
+    """Keep this process's generation held exactly while the store has live holds, so that a hold placed
     through one gateway process (or lapsing there) reaches every process on the same store within
-    `interval_s`. Runs until cancelled; a failed read keeps the gate as it is and tries again."""
+    `interval_s`. Runs until cancelled; a failed read keeps the holds as they are and tries again."""
     while True:
         began = time.monotonic()
         try:
@@ -83,13 +83,13 @@ async def mirror_store_holds(gate: GenerationGate, read_holders: Callable[[], Aw
         except Exception as exc:  # the store restarting: keep the last known state
             log.warning("reading generation holds failed: %s", exc)
         else:
-            local = {h for h in gate.holders if h.startswith(REMOTE)}
+            local = {h for h in holds.holders if h.startswith(REMOTE)}
             # A hold placed or released through this process while the read ran is newer than what the
             # read saw: leave it until the next read, which sees it too.
             for holder in stored - local:
-                if not gate.changed_since(holder, began):
-                    gate.close(holder)
+                if not holds.changed_since(holder, began):
+                    holds.hold(holder)
             for holder in local - stored:
-                if not gate.changed_since(holder, began):
-                    gate.open(holder)
+                if not holds.changed_since(holder, began):
+                    holds.release(holder)
         await asyncio.sleep(interval_s)

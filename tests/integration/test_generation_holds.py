@@ -1,4 +1,4 @@
-"""Holding generation: a sync-mode trainer in another process holds the gateway's gate over HTTP while
+"""Holding generation: a sync-mode trainer in another process holds the gateway's generation over HTTP while
 it steps; requests wait (they are not refused) and go on when it lets go or its hold lapses."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from tests.support.servers import RunningGateway
 from tracetrain.config import TrainConfig
-from tracetrain.proxy.gate import REMOTE, GenerationGate, mirror_store_holds
-from tracetrain.trainer.service import remote_gate, run_standalone
+from tracetrain.proxy.holds import REMOTE, GenerationHolds, mirror_store_holds
+from tracetrain.trainer.service import remote_hold, run_standalone
 
 
 def _chat_in_background(gw: RunningGateway, results: list[Any]) -> threading.Thread:
@@ -34,15 +34,15 @@ def _state(gw: RunningGateway) -> dict[str, Any]:
 
 
 def test_remote_trainer_holds_and_releases_generation(gateway: RunningGateway) -> None:
-    gate = remote_gate(gateway.url, None, holder="t1", ttl_s=60)
-    gate(True)
+    hold = remote_hold(gateway.url, None, holder="t1", ttl_s=60)
+    hold(True)
     assert _state(gateway) == {"open": False, "holders": ["remote:t1"]}
     results: list[Any] = []
     thread = _chat_in_background(gateway, results)
     time.sleep(1.5)
-    assert not results  # waiting at the gate, not refused
+    assert not results  # held, not refused
     released = time.monotonic()
-    gate(False)
+    hold(False)
     thread.join(timeout=60)
     assert results and results[0][1] == 200 and results[0][0] >= released
     assert _state(gateway) == {"open": True, "holders": []}
@@ -50,7 +50,7 @@ def test_remote_trainer_holds_and_releases_generation(gateway: RunningGateway) -
 
 def test_a_hold_lapses_after_its_ttl(gateway: RunningGateway) -> None:
     """A trainer that dies mid-step must not stall the agents for longer than its hold."""
-    remote_gate(gateway.url, None, holder="dead", ttl_s=1.0)(True)
+    remote_hold(gateway.url, None, holder="dead", ttl_s=1.0)(True)
     results: list[Any] = []
     thread = _chat_in_background(gateway, results)
     thread.join(timeout=60)
@@ -68,24 +68,24 @@ def test_bad_hold_requests_are_400(gateway: RunningGateway) -> None:
 
 async def test_gate_opens_only_when_every_holder_let_go() -> None:
     """A weight reload that ends inside a sync training step must not reopen generation early."""
-    gate = GenerationGate()
-    gate.close("train")
-    gate.close("publish")
-    gate.open("publish")
-    assert not gate.is_open() and gate.holders == ["train"]
-    waiter = asyncio.create_task(gate.wait())
+    holds = GenerationHolds()
+    holds.hold("train")
+    holds.hold("publish")
+    holds.release("publish")
+    assert not holds.is_free() and holds.holders == ["train"]
+    waiter = asyncio.create_task(holds.wait())
     await asyncio.sleep(0.05)
     assert not waiter.done()
-    gate.open("train")
+    holds.release("train")
     await asyncio.wait_for(waiter, 1)
-    gate.open("never-held")
-    assert gate.is_open()
+    holds.release("never-held")
+    assert holds.is_free()
 
 
 async def test_a_store_read_older_than_a_local_hold_does_not_undo_it() -> None:
     """A hold placed through this process while the mirror's read of the store was under way is newer than
-    that read: the gate stays closed (and a release stays released) until a read that saw it."""
-    gate = GenerationGate()
+    that read: the hold stays placed (and a release stays released) until a read that saw it."""
+    holds = GenerationHolds()
     reading, answer = asyncio.Event(), asyncio.Event()
     reads: list[list[str]] = [[], [REMOTE_HOLDER], [REMOTE_HOLDER], []]
 
@@ -95,22 +95,22 @@ async def test_a_store_read_older_than_a_local_hold_does_not_undo_it() -> None:
         answer.clear()
         return reads.pop(0)
 
-    mirror = asyncio.create_task(mirror_store_holds(gate, read_holders, interval_s=0.01))
+    mirror = asyncio.create_task(mirror_store_holds(holds, read_holders, interval_s=0.01))
     try:
         await reading.wait()
-        gate.close(REMOTE + REMOTE_HOLDER)  # the route's hold lands while a read that predates it runs
+        holds.hold(REMOTE + REMOTE_HOLDER)  # the route's hold lands while a read that predates it runs
         answer.set()
         await asyncio.sleep(0.05)
-        assert gate.holders == [REMOTE + REMOTE_HOLDER]  # the stale empty read did not release it
+        assert holds.holders == [REMOTE + REMOTE_HOLDER]  # the stale empty read did not release it
         answer.set()  # the next read sees the hold
         await asyncio.sleep(0.05)
-        gate.open(REMOTE + REMOTE_HOLDER)  # released here while a read that still sees the hold runs
+        holds.release(REMOTE + REMOTE_HOLDER)  # released here while a read that still sees the hold runs
         answer.set()
         await asyncio.sleep(0.05)
-        assert gate.is_open()
+        assert holds.is_free()
         answer.set()  # the store agrees
         await asyncio.sleep(0.05)
-        assert gate.is_open()
+        assert holds.is_free()
     finally:
         mirror.cancel()
 

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tracetrain.proxy.chain import ChainNode, plan_prompt
+from tracetrain.proxy.partial_json import partial_object
 from tracetrain.proxy.render import (
     CUT_CALL_PREFIX,
     RAW_CALL_PREFIX,
@@ -19,7 +20,6 @@ from tracetrain.proxy.render import (
     history_hashes,
     parse_forced_call,
     parse_reply,
-    partial_object,
     unread_call,
 )
 from tracetrain.proxy.segments import make_segment_encoder

@@ -22,7 +22,6 @@ BUNDLED_TEMPLATE = (files("tracetrain.proxy") / "templates" / "chatml_tools.jinj
 pyproject.toml's [tool.setuptools.package-data] is what puts it into the wheel."""
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
 _ARGUMENTS_RE = re.compile(r'"arguments"\s*:\s*')
 CUT_CALL_PREFIX = "call_cut_"
@@ -175,66 +174,6 @@ def _json_string(body: str) -> str:
         except json.JSONDecodeError:
             continue
     return body
-
-
-def partial_object(arguments: str) -> dict[str, Any]:
-    """The JSON object that `arguments`, JSON cut short or not quite JSON, spells as far as it can be read:
-    its whole members, and a string cut short as far as it goes; {} when nothing can be read."""
-    try:
-        value = json.loads(arguments)
-        return value if isinstance(value, dict) else {"value": value}
-    except json.JSONDecodeError:
-        pass
-    # Cut at each structural point, latest first, and close what is open there.
-    for point in [len(arguments), *reversed(_structural_points(arguments))]:
-        closed = _closed(arguments[:point].rstrip().rstrip(","))
-        if closed is None:
-            continue
-        try:
-            value = json.loads(closed)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            return value
-    return {}
-
-
-def _structural_points(text: str) -> list[int]:
-    """Offsets just before a `,` or just after a `{` or `[` outside strings: where a member can end."""
-    points, in_string, escaped = [], False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_string = True
-        elif ch == ",":
-            points.append(i)
-        elif ch in "{[":
-            points.append(i + 1)
-    return points
-
-
-def _closed(prefix: str) -> str | None:
-    """`prefix` with its open string, arrays and objects closed (None if its brackets do not nest)."""
-    stack: list[str] = []
-    in_string, escaped = False, False
-    for ch in prefix:
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            stack.append("}" if ch == "{" else "]")
-        elif ch in "}]" and (not stack or stack.pop() != ch):
-            return None
-    if in_string:  # close the string, dropping an escape cut short
-        cut_unicode = re.search(r"(\\+)u[0-9a-fA-F]{0,3}$", prefix)
-        if escaped:
-            prefix = prefix[:-1]
-        elif cut_unicode and len(cut_unicode.group(1)) % 2:
-            prefix = prefix[:cut_unicode.start() + len(cut_unicode.group(1)) - 1]
-        prefix += '"'
-    return prefix + "".join(reversed(stack))
 
 
 def _tool_call(name: Any, arguments: Any) -> dict[str, Any]:

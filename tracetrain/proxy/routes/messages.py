@@ -41,7 +41,8 @@ from tracetrain.proxy.messages_protocol import (
     chat_tools,
 )
 from tracetrain.proxy.openapi import error_responses, generation_responses
-from tracetrain.proxy.render import canonical_message, cut_call, first_tool_call_only, partial_object, unread_call
+from tracetrain.proxy.partial_json import partial_object
+from tracetrain.proxy.render import canonical_message, cut_call, first_tool_call_only, unread_call
 from tracetrain.proxy.serving import (
     CallSpec,
     Choice,

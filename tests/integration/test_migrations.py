@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from alembic import command
+from sqlalchemy import inspect
 from sqlmodel import Session
 
 from tracetrain.config import TrainConfig
-from tracetrain.store import queries, schema
+from tracetrain.store import audit, queries, schema
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import make_engine, open_engine
 from tracetrain.store.messages import call_messages
+from tracetrain.store.models import AgentSession, utcnow
 from tracetrain.store.trajectory import session_trajectories
 from tracetrain.trainer.loop import Trainer
 
@@ -89,3 +92,24 @@ def test_new_stores_start_at_the_newest_revision(db_url: str) -> None:
     make_engine(db_url)
     assert schema.revision(open_engine(db_url)) == (schema.head(), True)
     make_engine(db_url)  # and open again without complaint
+
+
+def test_0011_downgrades_to_0010_and_upgrades_again_keeping_the_sessions(db_url: str) -> None:
+    """Retention's columns and the audit log come and go with 0011, on SQLite and PostgreSQL; the rest stays."""
+    engine = make_engine(db_url)
+    with Session(engine) as db:
+        db.add(AgentSession(id="s", group_id="g", purged="deleted", purged_at=utcnow()))
+        audit.record(db, action="delete", actor=None, session_id="s", sessions=1)
+        db.commit()
+    with engine.begin() as connection:
+        command.downgrade(schema._config(connection), "0010")
+    assert schema.revision(engine) == ("0010", True)
+    with engine.connect() as connection:
+        assert "audit_log" not in inspect(connection).get_table_names()
+        assert {"purged", "purged_at"}.isdisjoint(c["name"] for c in inspect(connection).get_columns("sessions"))
+        assert connection.exec_driver_sql("SELECT id, group_id FROM sessions").all() == [("s", "g")]
+    schema.upgrade(engine)
+    with Session(engine) as db:
+        session = db.get(AgentSession, "s")
+        assert session is not None and session.purged is None and session.purged_at is None
+        assert audit.entries(db) == ([], 0)

@@ -3,6 +3,9 @@
 One row per trajectory segment: `input_ids`, `loss_mask` (1 on sampled tokens), behaviour
 `logprobs`, `policy_versions`, the session's summed `reward`, and the chat `messages`/`completion`
 of its last call for text-based trainers.
+
+Sessions not for training (`NO_TRAIN_REASONS`) and sessions whose content was purged are never exported.
+Every export is recorded in the audit log (store/audit.py) before its first row.
 """
 
 from __future__ import annotations
@@ -13,18 +16,18 @@ from typing import Any
 
 import orjson
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, func, or_, select
 
-from tracetrain.store import queries
+from tracetrain.store import audit, queries
 from tracetrain.store.messages import full_messages
-from tracetrain.store.models import NO_TRAIN_REASONS
+from tracetrain.store.models import NO_TRAIN_REASONS, AgentSession, AuditEntry
 from tracetrain.store.trajectory import session_trajectories
 
 
 def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
     session = queries.get_session(db, session_id=session_id)
-    if session is None or session.skip_reason in NO_TRAIN_REASONS:
-        return  # kept for audit, never exported for training
+    if session is None or session.skip_reason in NO_TRAIN_REASONS or session.purged is not None:
+        return  # kept for audit (or its content is gone), never exported for training
     calls = queries.session_calls(db, session_id=session_id)
     by_id = {call.id: call for call in calls}
     rewards = queries.session_rewards(db, session_id=session_id)
@@ -52,8 +55,23 @@ def iter_rows(engine: Engine) -> Iterator[dict[str, Any]]:
             yield from session_rows(db, session_id)
 
 
-def export(engine: Engine, out: Path, fmt: str) -> int:
-    """Write every trajectory segment to `out`; returns the number of rows."""
+def record_export(db: Session, *, actor: str | None, fmt: str) -> AuditEntry:
+    """The audit entry of an export about to run: who, and how many sessions it may hold (a writer op)."""
+    exportable = select(func.count()).select_from(AgentSession).where(
+        col(AgentSession.purged).is_(None),
+        or_(col(AgentSession.skip_reason).is_(None), col(AgentSession.skip_reason).not_in(NO_TRAIN_REASONS)))
+    return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()),
+                        detail={"format": fmt})
+
+
+def export(engine: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:
+    """Write every trajectory segment to `out`, recorded in the audit log as `actor`'s; returns the number
+    of rows."""
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")
+    with Session(engine) as db:
+        record_export(db, actor=actor, fmt=fmt)
+        db.commit()
     rows = 0
     if fmt == "jsonl":
         with out.open("wb") as fh:

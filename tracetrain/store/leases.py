@@ -26,9 +26,10 @@ from tracetrain.store.models import NO_TRAIN_REASONS, AgentSession, Call, Policy
 
 
 def _unused(*, include_set_aside: bool = False) -> ColumnElement[bool]:
-    """Final, not consumed and not excluded by an admin; not set aside either, unless `include_set_aside`."""
+    """Final, not consumed, not excluded by an admin and its content not purged; not set aside either, unless
+    `include_set_aside`."""
     unused = and_(col(AgentSession.status) == "final", col(AgentSession.trained_version).is_(None),
-                  col(AgentSession.excluded).is_(false()))
+                  col(AgentSession.excluded).is_(false()), col(AgentSession.purged).is_(None))
     return unused if include_set_aside else and_(unused, col(AgentSession.skip_reason).is_(None))
 
 
@@ -118,9 +119,9 @@ def _lease(db: Session, *, trainer_id: str, session_ids: list[str], lease_s: flo
         return []
     now = utcnow()
     until = now + timedelta(seconds=lease_s)
-    # Checked again in the update: an admin may have excluded a session since the select.
+    # Checked again in the update: an admin may have excluded (or a purge cleared) a session since the select.
     db.execute(update(AgentSession).where(col(AgentSession.id).in_(session_ids), _lease_free(now),
-                                          col(AgentSession.excluded).is_(false()))
+                                          col(AgentSession.excluded).is_(false()), col(AgentSession.purged).is_(None))
                .values(lease_owner=trainer_id, lease_until=until))
     db.commit()
     # Another trainer may have won some of them between the select and the update.
@@ -169,16 +170,18 @@ def consume_sessions(db: Session, *, trainer_id: str, session_ids: Sequence[str]
 
 def set_aside_reason() -> ColumnElement[str]:
     """Why an unconsumed session was left out: its `no_train_*` reason when it is not for training, else
-    `excluded` when an admin excluded it, whatever the trainer said of it before, else the trainer's
-    `skip_reason`."""
+    `purged` when its content is gone (retention or erasure), else `excluded` when an admin excluded it,
+    whatever the trainer said of it before, else the trainer's `skip_reason`."""
     return case((col(AgentSession.skip_reason).in_(NO_TRAIN_REASONS), col(AgentSession.skip_reason)),
+                (col(AgentSession.purged).is_not(None), "purged"),
                 (col(AgentSession.excluded).is_(True), "excluded"), else_=col(AgentSession.skip_reason))
 
 
 def is_set_aside() -> ColumnElement[bool]:
-    """Not consumed, and either set aside by the trainer or excluded by an admin."""
+    """Not consumed, and either set aside by the trainer, excluded by an admin or purged."""
     return and_(col(AgentSession.trained_version).is_(None),
-                or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True)))
+                or_(col(AgentSession.skip_reason).is_not(None), col(AgentSession.excluded).is_(True),
+                    col(AgentSession.purged).is_not(None)))
 
 
 def set_aside_counts(db: Session) -> dict[str, int]:

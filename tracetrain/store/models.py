@@ -64,6 +64,13 @@ class AgentSession(AgentSessionBase, table=True):
     the reason together with a `trained_version`.)"""
     redactions: dict[str, int] | None = Field(default=None, sa_column=Column(JSON))
     """What redaction found in the session's stored calls, by type (`{"EMAIL": 2}`); None: nothing."""
+    purged: str | None = Field(default=None, max_length=16)
+    """Why its content is gone: `retention` (older than `retention_days`, store/retention.py) or `deleted`
+    (an admin's `DELETE /v1/sessions/{id}`, an erasure request). A purged session keeps its row, counts,
+    rewards and versions, and is never claimed for training or exported."""
+    purged_at: datetime | None = None
+    """When its content was last cleared; a call recorded after it (an agent still using the session id)
+    is cleared by a later purge."""
 
 
 class AgentSessionPublic(AgentSessionBase):
@@ -79,6 +86,8 @@ class AgentSessionPublic(AgentSessionBase):
     trained_version: int | None = None
     skip_reason: str | None = None
     redactions: dict[str, int] | None = None
+    purged: str | None = None
+    purged_at: datetime | None = None
 
 
 class CallBase(SQLModel):
@@ -101,6 +110,10 @@ class CallBase(SQLModel):
     completion_tokens: int = 0
     latency_ms: float = 0.0
     created_at: datetime = Field(default_factory=utcnow)
+
+
+PURGED_STATE = "purged"
+"""`state_hash` of a call whose content a purge cleared: no request hashes to it, so nothing extends it."""
 
 
 class Call(CallBase, table=True):
@@ -259,3 +272,30 @@ class SessionAction(SessionActionBase, table=True):
 class SessionActionPublic(SessionActionBase):
     id: int
     created_at: datetime
+
+
+AUDIT_ACTIONS = ("export", "correction", "no_train", "purge", "delete")
+"""What the audit log (`GET /v1/audit`) lists. Corrections and no_train come from `session_actions`, which
+keeps them already (with their notes and values); the others from `audit_log` (store/audit.py)."""
+
+
+class AuditEntryBase(SQLModel):
+    """Who exported, purged or deleted what, and when: one row per action, never changed."""
+
+    action: str = Field(index=True, max_length=16)
+    """`export`, `purge` or `delete` (corrections stay in `session_actions`)."""
+    actor: str | None = Field(default=None, max_length=64)
+    """Fingerprint of the key that acted, as corrections name it (None: a gateway without keys); `retention`
+    for the gateway's scheduled purge, `cli` for a command (`tracetrain db purge`, `tracetrain export`)."""
+    session_id: str | None = Field(default=None, index=True, max_length=256)
+    """The one session it concerned (a delete); None when it concerned many (an export, a purge)."""
+    sessions: int = 0
+    """How many sessions it concerned."""
+    detail: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    """What else says what was done: an erasure's `reason`, a purge's `cutoffs`, an export's `format`."""
+
+
+class AuditEntry(AuditEntryBase, table=True):
+    __tablename__ = "audit_log"
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: datetime = Field(default_factory=utcnow, index=True)

@@ -11,7 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import CHAINED_LINKS, AgentSession, Call, Policy, Reward, utcnow
+from tracetrain.store.models import CHAINED_LINKS, PURGED_STATE, AgentSession, Call, Policy, Reward, utcnow
 from tracetrain.store.prepared import Prepared
 from tracetrain.store.promotion import ROLLED_BACK
 
@@ -57,7 +57,8 @@ def session_row(*, id: str, group_id: str, owner: str | None, policy_version: in
 
 
 _SESSION_DEFAULTS = {"status": "open", "reward": None, "reward_override": None, "excluded": False, "lease_owner": None,
-                     "lease_until": None, "trained_version": None, "skip_reason": None, "redactions": None}
+                     "lease_until": None, "trained_version": None, "skip_reason": None, "redactions": None,
+                     "purged": None, "purged_at": None}
 if set(SESSION_COLUMNS) - _SESSION_DEFAULTS.keys() != {"id", "group_id", "owner", "created_at", "updated_at",
                                                        "model", "calls", "tokens", "policy_version"}:
     raise RuntimeError("the sessions table changed: give its new column a default in _SESSION_DEFAULTS")
@@ -114,7 +115,9 @@ def all_session_ids(db: Session) -> Sequence[str]:
 
 
 def latest_call_id(db: Session, *, session_id: str) -> str | None:
-    query = select(Call.id).where(Call.session_id == session_id).order_by(col(Call.seq).desc())
+    """The session's latest call that something may extend (a purged call has no tokens left to extend)."""
+    query = select(Call.id).where(Call.session_id == session_id, Call.state_hash != PURGED_STATE).order_by(
+        col(Call.seq).desc())
     return db.exec(query.limit(1)).first()
 
 

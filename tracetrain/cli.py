@@ -298,6 +298,9 @@ def db_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store import schema
     from tracetrain.store.db import open_engine
 
+    if args.action == "purge":
+        purge_cmd(config)
+        return
     engine = open_engine(config.db_url)
     if args.action == "current":
         current, has_tables = schema.revision(engine)
@@ -309,6 +312,34 @@ def db_cmd(args: argparse.Namespace, config: Config) -> None:
     except schema.StoreOutOfDate as exc:
         raise SystemExit(str(exc)) from exc
     print(f"store schema: {before or 'none'} -> {after}")
+
+
+def purge_cmd(config: Config) -> None:
+    """Clear the content of every session past its retention now, as the gateway does on its schedule."""
+    import asyncio
+
+    from tracetrain.proxy.auth import fingerprint
+    from tracetrain.store import retention
+    from tracetrain.store.db import make_engine
+    from tracetrain.store.writer import StoreWriter
+
+    if not config.retains():
+        print("nothing to purge: neither retention_days nor any key's retention_days is set")
+        return
+    engine = make_engine(config.db_url)  # an out-of-date store is refused
+    rules = retention.Retention(config.retention_days,
+                                {fingerprint(key): days for key, days in config.retention_by_key().items()})
+
+    async def run() -> int:
+        # Through a store writer, as the gateway writes: on SQLite it takes turns with running gateways.
+        writer = StoreWriter(engine)
+        await writer.start()
+        try:
+            return await retention.purge(writer.submit, engine, retention=rules, actor="cli")
+        finally:
+            await writer.stop()
+
+    print(f"purged the content of {asyncio.run(run())} sessions")
 
 
 def export_cmd(args: argparse.Namespace, config: Config) -> None:
@@ -349,9 +380,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="any setting: train.lr=1e-4, or lr=1e-4 for a trainer-only name; admission=staleness "
                             "(repeatable; the same keys in every subcommand)")
-    db_p = sub.add_parser("db", help="the store's schema: `current` shows its revision, `upgrade` migrates it")
-    db_p.add_argument("action", choices=["current", "upgrade"])
+    db_p = sub.add_parser("db", help="the store: `current` shows its schema revision, `upgrade` migrates it, "
+                          "`purge` clears the content of sessions past their retention")
+    db_p.add_argument("action", choices=["current", "upgrade", "purge"],
+                      help="current: the schema revision; upgrade: migrate to this tracetrain's; purge: clear the "
+                      "content of sessions older than retention_days (keeping their figures)")
     db_p.add_argument("--db-url", help=_help("db_url"))
+    db_p.add_argument("--retention-days", type=int, help=_help("retention_days") + " (purge; default: the config's)")
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
     export_p.add_argument("--db-url", help=_help("db_url"))
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",

@@ -185,6 +185,10 @@ class ApiKey(BaseModel):
     train: bool = True
     """False: sessions this key creates are served and kept for audit, but never trained on or exported
     for training (counted as set aside with reason `no_train_key`)."""
+    retention_days: int | None = Field(default=None, ge=1)
+    """This key's sessions keep their content this many days after their last activity, in place of the
+    gateway's `retention_days`; set to null, forever. Left out: the gateway's setting. (Per policy once
+    named policies exist, docs/architecture.md decision 13.)"""
 
 
 class Config(BaseSettings):
@@ -291,9 +295,20 @@ class Config(BaseSettings):
     """FULL survives power loss; NORMAL survives a killed process only, and commits faster."""
     api_keys: list[str | ApiKey] = Field(default_factory=list)
     """Agent keys: each may create sessions and read or reward its own. An entry is the key, or
-    `{key: …, train: false}` for a key whose sessions are never trained on (users who did not consent)."""
+    `{key: …, train: false}` for a key whose sessions are never trained on (users who did not consent),
+    and `retention_days: N` for a key whose sessions keep their content N days (null: forever)."""
     admin_key: str | None = None
     """Key for listing, export and weight endpoints (and every session)."""
+    retention_days: int | None = Field(default=None, ge=1)
+    """Days a session keeps its content after its last activity; then a purge clears its messages, replies,
+    token ids, logprobs and tool arguments and results, and keeps what the figures need (the session row
+    with its counts, rewards, versions, timestamps and redaction counts); a purged session is never trained
+    on or exported. None: kept forever. A key may set its own (`api_keys`). The gateway purges every
+    `retention_interval_s`; `tracetrain db purge` purges at once. It becomes a setting per policy when
+    named policies exist (docs/architecture.md, decision 13)."""
+    retention_interval_s: float = Field(default=3600.0, gt=0)
+    """How often the gateway purges sessions past their retention (one batch of sessions per write
+    transaction, beside the traffic); it also purges once as it starts."""
     metrics_key: Literal["none", "any", "admin"] = "none"
     """Who may read `/metrics`: anyone (`none`, for a scraper on a private network), any configured key
     (`any`), or the admin key only (`admin`). Scrapers send the key as `Authorization: Bearer`."""
@@ -523,6 +538,15 @@ class Config(BaseSettings):
 
     def agent_keys(self) -> list[str]:
         return [k if isinstance(k, str) else k.key for k in self.api_keys]
+
+    def retention_by_key(self) -> dict[str, int | None]:
+        """Keys whose `retention_days` differs from the gateway's, with theirs (None: forever)."""
+        return {k.key: k.retention_days for k in self.api_keys
+                if isinstance(k, ApiKey) and "retention_days" in k.model_fields_set}
+
+    def retains(self) -> bool:
+        """Whether any session's content ever expires: a purge has something to do."""
+        return self.retention_days is not None or any(d is not None for d in self.retention_by_key().values())
 
     def untrained_keys(self) -> list[str]:
         """Keys whose sessions are never trained on."""

@@ -23,7 +23,7 @@ from sqlmodel import Session
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
 from tracetrain.proxy.admission import Admission
-from tracetrain.proxy.auth import KeyRing
+from tracetrain.proxy.auth import KeyRing, fingerprint
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.holds import GenerationHolds, mirror_store_holds
@@ -32,7 +32,7 @@ from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
 from tracetrain.redaction.redactor import Redactor
-from tracetrain.store import search_index
+from tracetrain.store import retention, search_index
 from tracetrain.store.holds import active_holders
 from tracetrain.store.writer import StoreWriter
 
@@ -90,6 +90,8 @@ class Gateway:
         await self.publishing.start()
         self._tasks.append(asyncio.create_task(mirror_store_holds(self.holds, lambda: self.read(active_holders))))
         self._tasks.append(asyncio.create_task(self._index_search()))
+        if self.config.retains():
+            self._tasks.append(asyncio.create_task(self._purge_expired()))
         if self.engine_sleep is not None:
             self._tasks.append(asyncio.create_task(self.engine_sleep.run()))
         for service in self.services:
@@ -135,6 +137,27 @@ class Gateway:
                 log.warning("indexing calls for the search failed: %s", exc)
                 indexed = 0
             seen = self.writer.committed_ops
+
+    def retention_rules(self) -> retention.Retention:
+        """`retention_days`, with the keys' own settings by fingerprint (the sessions' `owner`)."""
+        return retention.Retention(self.config.retention_days, {
+            fingerprint(key): days for key, days in self.config.retention_by_key().items()})
+
+    async def purge_expired(self, *, actor: str | None = "retention") -> int:
+        """Clear the content of every session past its retention (store/retention.py); how many."""
+        return await retention.purge(self.writer.submit, self.db, retention=self.retention_rules(), actor=actor)
+
+    async def _purge_expired(self) -> None:
+        """Purge as the gateway starts, then every `retention_interval_s`; each batch of sessions is one
+        writer transaction, so calls keep being recorded in between."""
+        while True:
+            try:
+                purged = await self.purge_expired()
+                if purged:
+                    log.info("retention: cleared the content of %d sessions", purged)
+            except Exception as exc:  # the store briefly away: the next round goes on where this one stopped
+                log.warning("purging expired sessions failed: %s", exc)
+            await asyncio.sleep(self.config.retention_interval_s)
 
 
 async def read_in_thread(db: DBEngine, fn: Callable[[Session], Any]) -> Any:

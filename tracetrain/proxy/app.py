@@ -16,6 +16,7 @@ from tracetrain.proxy.errors import BodyTooLarge, error_for_path, install_error_
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.openapi import install_openapi
 from tracetrain.proxy.routes import (
+    audit,
     chat,
     completions,
     console,
@@ -99,8 +100,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     install_openapi(app)
-    for module in (chat, messages, responses, completions, rewards, sessions, corrections, stats, system, policies,
-                   replicas, generation, console):
+    for module in (chat, messages, responses, completions, rewards, sessions, corrections, audit, stats, system,
+                   policies, replicas, generation, console):
         app.include_router(module.router)
     mount_console(app)
     app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)

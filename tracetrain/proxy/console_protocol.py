@@ -46,6 +46,58 @@ class CorrectionResponse(BaseModel):
     action: SessionActionPublic
 
 
+class EraseRequest(RequestModel):
+    """Optional body of `DELETE /v1/sessions/{id}`: why (an erasure request's reference), kept in the audit log."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(default="", max_length=MAX_NOTE)
+
+
+class ErasureResponse(BaseModel):
+    """A session after its content was deleted."""
+
+    object: Literal["session.deleted"] = "session.deleted"
+    session_id: str
+    purged: str
+    """`deleted`."""
+    purged_at: datetime
+    calls_cleared: int
+    """Calls whose content this request cleared (again, on a repeated request: a session still used after its
+    deletion has new calls)."""
+    already_deleted: bool
+    """True when an earlier request had deleted it: the answer is the same, and no new audit entry is made."""
+
+
+class AuditEntryPublic(BaseModel):
+    """One line of the audit log."""
+
+    id: str
+    """`log-<n>` for exports, purges and deletions; `action-<n>` for a correction or `no_train` (the same as
+    in `GET /v1/sessions/{id}/actions`)."""
+    created_at: datetime
+    action: Literal["export", "correction", "no_train", "purge", "delete"]
+    actor: str | None
+    """Fingerprint of the key that acted (None: a gateway without keys); `retention` for the gateway's
+    scheduled purge, `cli` for a command."""
+    session_id: str | None
+    """The session it concerned; None when it concerned many."""
+    sessions: int
+    """How many sessions it concerned."""
+    detail: dict[str, Any]
+    """Export: `format`; purge: `retention_days`, `calls`; delete: `reason`, `calls`; correction: its kind
+    (`correction`), `note`, `old_value`, `new_value`."""
+
+
+class AuditList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AuditEntryPublic]
+    total: int
+    """Entries matching the filters, on every page."""
+    has_more: bool
+    limit: int
+    offset: int
+
+
 class ActionList(BaseModel):
     object: Literal["list"] = "list"
     data: list[SessionActionPublic]

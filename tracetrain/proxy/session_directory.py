@@ -122,6 +122,12 @@ class SessionDirectory:
         for state_hash in state_hashes:
             self._chains.pop((session_id, state_hash), None)
 
+    def forget_session(self, session_id: str) -> None:
+        """Drop every cached chain of a session whose content was cleared: its calls have no ids to extend."""
+        for key in [k for k in self._chains if k[0] == session_id]:
+            self._chains.pop(key, None)
+        self._undelivered.pop(session_id, None)
+
     def mark_undelivered(self, session_id: str, completion_id: str) -> None:
         self._undelivered[session_id] = completion_id
 

@@ -1,6 +1,7 @@
 """An admin's corrections to a session, which the trainer honours: exclude it from training, include it
 again, mark it never to be trained on (consent withdrawn), override its reward with a note, clear the
-override; and the audit trail of them (who, by key fingerprint, and when)."""
+override; the audit trail of them (who, by key fingerprint, and when); and deleting a session's content
+for an erasure request."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ from fastapi import APIRouter, Body
 from sqlmodel import Session
 
 from tracetrain.proxy.auth import ADMIN, AdminDep, Caller
-from tracetrain.proxy.console_protocol import ActionList, CorrectionResponse, NoteRequest, RewardOverrideRequest
+from tracetrain.proxy.console_protocol import (
+    ActionList,
+    CorrectionResponse,
+    EraseRequest,
+    ErasureResponse,
+    NoteRequest,
+    RewardOverrideRequest,
+)
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
-from tracetrain.store import corrections
+from tracetrain.store import corrections, retention
 from tracetrain.store.models import AgentSession, SessionAction, SessionActionPublic
 
 router = APIRouter(responses=error_responses(401, 403, 404))
@@ -115,3 +123,25 @@ async def actions(gw: GatewayDep, session_id: str, _: AdminDep) -> ActionList:
     await gw.sessions.owned(session_id, ADMIN)
     rows = await gw.read(lambda db: corrections.session_actions(db, session_id=session_id))
     return ActionList(data=[SessionActionPublic.model_validate(r) for r in rows])
+
+
+@router.delete("/v1/sessions/{session_id}", response_model=ErasureResponse)
+async def delete_session(gw: GatewayDep, session_id: str, caller: AdminDep,
+                         body: Annotated[EraseRequest | None, Body()] = None) -> ErasureResponse:
+    """Delete the session's content now, for a user's erasure request: its calls' messages, replies, token
+    ids and logprobs are cleared (as a retention purge clears them), whatever its age, and it is marked
+    `deleted`, never trained on or exported. Its row, counts and rewards stay for the figures; the audit log
+    records who asked and `reason`. Repeating the request answers the same (`already_deleted`), clears any
+    call recorded since, and adds no audit entry."""
+    await gw.sessions.owned(session_id, ADMIN)
+    reason = body.reason if body is not None else ""
+    erased = await gw.writer.submit(lambda db: retention.erase_session(
+        db, session_id=session_id, actor=caller.owner, reason=reason))
+    if erased is None:
+        raise _missing(session_id)
+    gw.sessions.forget_session(session_id)
+    await retention.scrub(gw.writer.submit, gw.db)
+    session = erased.session
+    assert session.purged is not None and session.purged_at is not None
+    return ErasureResponse(session_id=session.id, purged=session.purged, purged_at=session.purged_at,
+                           calls_cleared=erased.calls, already_deleted=erased.already)

@@ -17,7 +17,7 @@ from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.store import console, queries
 from tracetrain.store.console import SessionFilter
-from tracetrain.store.export import iter_rows
+from tracetrain.store.export import iter_rows, record_export
 from tracetrain.store.models import AgentSessionPublic, CallPublic, RewardPublic
 from tracetrain.store.trajectory import session_trajectories
 
@@ -88,10 +88,13 @@ async def get_trajectory(
     await gw.sessions.owned(session_id, caller)
 
     def read(db: Any) -> dict[str, Any]:
-        calls = queries.session_calls(db, session_id=session_id)
+        session = queries.get_session(db, session_id=session_id)
+        # A purged session's calls have no token ids left: no trajectory to rebuild.
+        calls = queries.session_calls(db, session_id=session_id) if session and session.purged is None else []
         rewards = queries.session_rewards(db, session_id=session_id)
         return {
             "session_id": session_id,
+            "purged": session.purged if session else None,
             "trajectories": session_trajectories(calls),
             "rewards": [RewardPublic.model_validate(r).model_dump(mode="json") for r in rewards],
         }
@@ -112,8 +115,10 @@ class NDJSONStream(StreamingResponse):
 
 
 @router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(401, 403))
-async def export_jsonl(gw: GatewayDep, _: AdminDep) -> NDJSONStream:
-    """Every trajectory segment, one JSON object per line."""
+async def export_jsonl(gw: GatewayDep, caller: AdminDep) -> NDJSONStream:
+    """Every trajectory segment, one JSON object per line; sessions not for training or purged are left
+    out. Recorded in the audit log (`GET /v1/audit`) before the first line."""
+    await gw.writer.submit(lambda db: record_export(db, actor=caller.owner, fmt="jsonl"))
 
     def lines() -> Iterator[bytes]:
         for row in iter_rows(gw.db):

@@ -252,6 +252,31 @@ def test_a_whole_call_with_arguments_that_are_not_json_keeps_them_as_written() -
     assert call["id"].startswith(RAW_CALL_PREFIX) and call["function"]["arguments"] == '{"a": 1,}'
 
 
+WHOLE_ADD = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "arguments"), [
+    (WHOLE_ADD + "\n<tool_call>\nno idea\n</tool_call>", "no idea"),
+    (WHOLE_ADD + "\n<tool_call>{name: add}</tool_call>", "{name: add}"),
+    (WHOLE_ADD + '\n<tool_call>\n{"na', '{"na'),  # the model ended its turn in it
+    (WHOLE_ADD + "\n<tool_call>\nno idea</tool_", "no idea"),
+    ("<tool_call>\nno idea\n</tool_call>" + WHOLE_ADD, "no idea"),
+])
+def test_a_block_that_names_no_tool_beside_a_call_is_a_call_too(text: str, arguments: str) -> None:
+    content, calls = parse_reply(text, tools_enabled=True, names=("lookup", "add"))
+    (unread,) = [c for c in calls if c["function"]["name"] != "add"]
+    assert content == "" and len(calls) == 2
+    assert unread["id"].startswith(RAW_CALL_PREFIX) and unread["function"] == {"name": "", "arguments": arguments}
+
+
+@pytest.mark.parametrize("end", ["<", "<tool", "<tool_call", " <tool_c"])
+def test_text_cut_inside_the_opener_ends_before_it(end: str) -> None:
+    assert parse_reply("It is.\n" + end, tools_enabled=True, cut=True) == ("It is.", [])
+    # Not cut, or with tools off, the text is the model's own.
+    assert parse_reply("It is.\n" + end, tools_enabled=True) == ("It is.\n" + end, [])
+    assert parse_reply("It is.\n" + end, tools_enabled=False, cut=True) == ("It is.\n" + end, [])
+
+
 @pytest.mark.parametrize(("arguments", "value"), [
     ('{"item": "[Item-11', {"item": "[Item-11"}),
     ('{"a": "x", "b', {"a": "x"}),

@@ -103,23 +103,44 @@ def parse_reply(text: str, *, tools_enabled: bool, cut: bool = False,
 
     Each `<tool_call>` block that names a tool is a call, even where its arguments are not JSON (a `call_raw_`
     id) or the limit cut it (a `call_cut_` id, arguments as far as generated, a cut name completed from
-    `names` when only one tool starts with it). A whole block that names no tool is not a call: the text
-    stays content, verbatim.
+    `names` when only one tool starts with it). A whole block that names no tool is not a call when no block
+    is one: the text stays content, verbatim. Beside a call it is one too (`_unread_block`): the content ends
+    where the calls begin, so the block could stay text only by taking the calls with it.
+
+    Text the limit cut inside the opener itself (`<tool_c`) ends the content before that start of markup
+    (and the whitespace before it, as before a call). Only the reply loses it: the sampled tokens are
+    recorded, and the chain hashes the reply as returned, so its echo extends the call.
     """
-    if not tools_enabled or TOOL_CALL_OPEN not in text:
+    if not tools_enabled:
         return text, []
-    calls: list[dict[str, Any]] = []
+    if TOOL_CALL_OPEN not in text:
+        opened = _partial_end(text, TOOL_CALL_OPEN) if cut else 0
+        return (text[:-opened].rstrip() if opened else text), []
     blocks = text.split(TOOL_CALL_OPEN)[1:]
+    read: list[tuple[str, bool, dict[str, Any] | None]] = []
     for i, block in enumerate(blocks):
         whole, closed, _ = block.partition(TOOL_CALL_CLOSE)
-        last = i == len(blocks) - 1
         # A block that is not closed ends the text: the limit cut it, or the model ended its turn there.
-        call = _read_call(whole.strip(), cut=cut and last and not closed, names=names,
-                          tail=not closed and last)
-        if call is None:
-            return text, []
-        calls.append(call)
+        tail = not closed and i == len(blocks) - 1
+        read.append((whole.strip(), tail, _read_call(whole.strip(), cut=cut and tail, names=names, tail=tail)))
+    if all(call is None for _, _, call in read):
+        return text, []
+    calls = [call or _unread_block(block, tail=tail) for block, tail, call in read]
     return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
+
+
+def _partial_end(text: str, marker: str) -> int:
+    """How many of `text`'s last characters begin `marker` without being all of it (0: none)."""
+    return next((k for k in range(len(marker) - 1, 0, -1) if text.endswith(marker[:k])), 0)
+
+
+def _unread_block(block: str, *, tail: bool) -> dict[str, Any]:
+    """A block that names no tool, beside calls: a `call_raw_` call with no name and the block as written for
+    arguments (less a closing tag the text ended in), as a call whose arguments are not JSON comes back."""
+    closing = _partial_end(block, TOOL_CALL_CLOSE) if tail else 0
+    arguments = block[:-closing].rstrip() if closing else block
+    return {"id": f"{RAW_CALL_PREFIX}{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": "", "arguments": arguments}}
 
 
 def first_tool_call_only(reply: dict[str, Any]) -> dict[str, Any]:
@@ -139,10 +160,8 @@ def parse_forced_call(text: str, *, cut: bool = False, names: tuple[str, ...] = 
 
 def _read_call(block: str, *, cut: bool, names: tuple[str, ...], tail: bool) -> dict[str, Any] | None:
     """One call's JSON object as text (`tail`: the text ended in it, maybe in a partial closing tag)."""
-    candidates = [block]
-    if tail:
-        candidates += [block[:-k].rstrip() for k in range(1, len(TOOL_CALL_CLOSE))
-                       if block.endswith(TOOL_CALL_CLOSE[:k])]
+    closing = _partial_end(block, TOOL_CALL_CLOSE) if tail else 0
+    candidates = [block, block[:-closing].rstrip()] if closing else [block]
     for candidate in candidates:
         try:
             payload = json.loads(candidate)

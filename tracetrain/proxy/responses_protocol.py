@@ -204,11 +204,14 @@ def input_messages(items: str | list[MessageItem | FunctionCallItem | FunctionCa
 
 def output_items(reply: dict[str, Any], response_id: str, status: str = "completed") -> list[dict[str, Any]]:
     """A canonical assistant reply as Responses output items: a message (if it has text), then calls (a call
-    cut short by the token limit `incomplete`, with the arguments generated so far). Ids derive from the
-    response's, so reading a response back gives the same items."""
+    cut short by the token limit `incomplete`, with the arguments generated so far). The message is
+    `incomplete` when the response is (`status`) and has no calls: its text is what the limit cut. Ids derive
+    from the response's, so reading a response back gives the same items."""
     items: list[dict[str, Any]] = []
     if reply.get("content"):
-        items.append({"type": "message", "id": f"msg_{response_id.removeprefix('resp_')}", "status": status,
+        cut_text = status == "incomplete" and not reply.get("tool_calls")
+        items.append({"type": "message", "id": f"msg_{response_id.removeprefix('resp_')}",
+                      "status": "incomplete" if cut_text else "completed",
                       "role": "assistant",
                       "content": [{"type": "output_text", "text": reply["content"], "annotations": []}]})
     for call in reply.get("tool_calls") or []:

@@ -40,6 +40,7 @@ from tracetrain.proxy.serving import (
     StreamRun,
     Turn,
     counted,
+    finish_reason,
     finish_stream,
     generate_all,
     prepare,
@@ -147,16 +148,22 @@ def _shell(response_id: str, model: str, created: int, status: str, body: Respon
             "text": {"format": {"type": "text"}}, "truncation": "disabled"}
 
 
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+def _status(finish: str | None) -> str:
+    """The response's status from the call's finish reason as Chat Completions gives it (serving.finish_reason,
+    also what the call records): `incomplete` when the limit cut the output, its text or a call (`length`).
+    A length stop after whole calls (the limit took the turn end, or text after the calls, which no item
+    holds) is `completed`: no item of the output is cut, and the other APIs say `tool_calls` and `tool_use`
+    there. OpenAI documents `incomplete` with `incomplete_details.reason: max_output_tokens` for output the
+    limit cut short, and nothing for a limit reached after complete output: the status follows the output."""
+    return "incomplete" if finish == "length" else "completed"
 
 
 def _from_turn(turn: Turn, reply: dict[str, Any], body: ResponsesRequest, created: int) -> ResponseObject:
     choice = turn.choices[0]
-    status = _status(choice.finish_reason)
+    status = _status(finish_reason(choice, reply))
     return ResponseObject(**{**_shell(turn.spec.completion_id, turn.spec.model, created, status, body,
                                       body.previous_response_id),
-                             "output": output_items(reply, turn.spec.completion_id),
+                             "output": output_items(reply, turn.spec.completion_id, status),
                              "usage": _usage(len(turn.plan.prompt_ids), len(choice.token_ids))})
 
 
@@ -240,7 +247,8 @@ async def create_response(body: ResponsesRequest, request: Request,
 @router.get("/s/{session}/g/{group}/v1/responses/{response_id}", response_model=ResponseObject, responses=STORED)
 async def get_response(gw: GatewayDep, caller: CallerDep, response_id: str = Path()) -> ResponseObject:
     call = await _stored(gw, response_id, caller, None)
+    status = _status(call.finish_reason)
     return ResponseObject(**{**_shell(call.completion_id, call.model, int(call.created_at.timestamp()),
-                                      _status(call.finish_reason), None, None),
-                             "output": output_items(call.response_message, call.completion_id),
+                                      status, None, None),
+                             "output": output_items(call.response_message, call.completion_id, status),
                              "usage": _usage(call.prompt_tokens, call.completion_tokens)})

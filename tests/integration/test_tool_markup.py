@@ -1,8 +1,9 @@
 """The template's tool-call markup never reaches a reply's text, whatever the model wrote around its calls,
 through each API's real SDK, streamed and not: a whole call beside a block the parser cannot read, a reply
-cut by max_tokens inside the opener `<tool_call>` itself, whole calls the limit reached just after. Each
-has its API's shape, and the agent's echo extends the same trajectory, with the sampled tokens, and only
-those, in the loss. Calls cut short by the limit are in test_cut_tool_calls.py.
+cut by max_tokens inside the opener `<tool_call>` itself, whole calls the limit reached just after, a
+forced call that names no tool. Each has its API's shape, and the agent's echo extends the same trajectory,
+with the sampled tokens, and only those, in the loss. Calls cut short by the limit are in
+test_cut_tool_calls.py.
 """
 
 from __future__ import annotations
@@ -130,6 +131,22 @@ def _assert_read_back(gw: RunningGateway, session: str, turn: Turn) -> None:
     stored = OpenAI(base_url=gw.v1(session), api_key="unused").responses.retrieve(call["completion_id"])
     assert stored.status == turn.stop and stored.incomplete_details is None
     assert [item.model_dump(exclude_none=True) for item in stored.output] == turn.echo
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", APIS)
+def test_a_forced_call_that_ended_in_its_name_is_still_the_call(scripted: RunningGateway, api: str,
+                                                                stream: bool) -> None:
+    """A stop string the request gave can end a forced call before its name is read: the request demands a
+    call, so it is one, with no name and its text as written, never the opener the gateway put before it."""
+    engine = engine_of(scripted)
+    engine.replies += ['{"na', "Fine."]
+    first = ask(scripted, api, "f", _question(), stream=stream, forced=True)
+    assert first.stop == STOPS[api][False] and first.name == "" and first.content == ""
+    assert first.arguments == ({} if api == "messages" else '{"na')
+    ask_plain(scripted, api, "f", [*_question(), *first.echo, *tool_result(api, first, "error: no name")],
+              stream=stream)
+    assert_one_exact_segment(scripted, "f", 2)
 
 
 def test_with_tool_choice_none_a_block_the_model_writes_is_its_text(scripted: RunningGateway) -> None:

@@ -219,12 +219,14 @@ def test_a_second_child_is_a_branch(renderer: ChatRenderer) -> None:
 
 
 def test_a_forced_call_is_parsed_whole_even_with_markup_in_its_arguments() -> None:
-    (call,) = parse_forced_call('{"name":"search","arguments":{"query":"a </tool_call> b"}}')
+    call = parse_forced_call('{"name":"search","arguments":{"query":"a </tool_call> b"}}')
     assert call["function"] == {"name": "search", "arguments": '{"query": "a </tool_call> b"}'}
-    (cut,) = parse_forced_call('{"name":"search","arguments":{"query":"cut sho', cut=True)
+    cut = parse_forced_call('{"name":"search","arguments":{"query":"cut sho', cut=True)
     assert cut["id"].startswith(CUT_CALL_PREFIX)
     assert cut["function"] == {"name": "search", "arguments": '{"query":"cut sho'}
-    assert parse_forced_call('{"arguments":{}}') == []
+    # Ended in its name (a stop string): still the forced call, with no name, as written.
+    unread = parse_forced_call('{"na')
+    assert unread["id"].startswith(RAW_CALL_PREFIX) and unread["function"] == {"name": "", "arguments": '{"na'}
 
 
 @pytest.mark.parametrize(("text", "content", "name", "arguments"), [

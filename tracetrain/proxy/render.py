@@ -150,12 +150,13 @@ def first_tool_call_only(reply: dict[str, Any]) -> dict[str, Any]:
     return {**reply, "tool_calls": calls[:1]} if calls and len(calls) > 1 else reply
 
 
-def parse_forced_call(text: str, *, cut: bool = False, names: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def parse_forced_call(text: str, *, cut: bool = False, names: tuple[str, ...] = ()) -> dict[str, Any]:
     """The call of a forced tool call: the sampled text is the JSON object alone (the grammar ended
     it), so it is parsed whole; a string argument may even contain `</tool_call>`. Cut short by the token
-    limit, it is the call as far as generated (see `parse_reply`)."""
-    call = _read_call(text.strip(), cut=cut, names=names, tail=False)
-    return [] if call is None else [call]
+    limit, it is the call as far as generated (see `parse_reply`). Text that names no tool (a stop string of
+    the request ended it in the name) is a call all the same, as a block beside calls is (`_unread_block`):
+    the request demands a call, and the opener before the text is the gateway's, not the model's."""
+    return _read_call(text.strip(), cut=cut, names=names, tail=False) or _unread_block(text.strip(), tail=False)
 
 
 def _read_call(block: str, *, cut: bool, names: tuple[str, ...], tail: bool) -> dict[str, Any] | None:

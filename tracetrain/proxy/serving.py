@@ -217,9 +217,7 @@ def reply_message(turn: Turn, choice: Choice) -> dict[str, Any]:
     cut = choice.finish_reason == "length"
     names = tuple(t.get("function", t).get("name", "") for t in turn.spec.tools or [])
     if choice.forced_prefix:
-        calls = parse_forced_call(choice.text, cut=cut, names=names)
-        # Not cut, yet not a call: the grammar was not kept (an engine without it); report what the model wrote.
-        content = "" if calls else choice.forced_prefix + choice.text
+        content, calls = "", [parse_forced_call(choice.text, cut=cut, names=names)]
     else:
         content, calls = parse_reply(choice.text, tools_enabled=turn.spec.tools_enabled and bool(turn.spec.tools),
                                      cut=cut, names=names)

@@ -373,3 +373,35 @@ def test_a_gateway_without_keys_opens_the_console_directly(gateway: RunningGatew
     sync_api.expect(page.locator("#login")).to_be_hidden()
     page.click("#nav >> text=Sessions")
     assert _listed(page) == ["loop-1"]
+
+
+def test_an_admin_marks_a_session_never_to_be_trained_and_sees_purged_ones(console: Console, page: Any) -> None:
+    console.episode(AGENT_A, "consent-1", "consent", 1.0, "Keep this between us.")
+    console.episode(AGENT_A, "erased-1", "consent", 1.0, "Forget me, please.")
+    erased = httpx.request("DELETE", f"{console.gw.url}/v1/sessions/erased-1", headers=_auth(ADMIN_KEY),
+                           json={"reason": "erasure request"}, timeout=30)
+    assert erased.status_code == 200, erased.text
+    _login(page, console.gw, ADMIN_KEY)
+    page.goto(f"{console.gw.url}/ui/#/session/consent-1")
+    sync_api.expect(page.locator("[data-fact='training']")).to_have_text("not yet")
+    sync_api.expect(page.locator("[data-fact='content']")).to_have_text("kept")
+    page.fill("#action-note", "the user withdrew consent")
+    page.once("dialog", lambda dialog: dialog.accept())  # it cannot be undone: the console asks first
+    page.click("#no-train")
+    sync_api.expect(page.locator("#action-ok")).to_have_text("Saved: no train.")
+    sync_api.expect(page.locator("[data-fact='training']")).to_have_text("not for training (an admin)")
+    sync_api.expect(page.locator("#no-train")).to_have_count(0)
+    sync_api.expect(page.locator("#exclude")).to_have_count(0)  # nor can it be included again
+    sync_api.expect(page.locator("#timeline li.action")).to_contain_text("the user withdrew consent")
+    assert console.get("/v1/sessions/consent-1")["skip_reason"] == "no_train_admin"
+
+    page.goto(f"{console.gw.url}/ui/#/session/erased-1")
+    sync_api.expect(page.locator("[data-fact='content']")).to_contain_text("content deleted")
+    sync_api.expect(page.locator("[data-fact='training']")).to_have_text("never (content deleted)")
+    page.goto(f"{console.gw.url}/ui/#/sessions")
+    _apply_filters(page, group="consent")
+    sync_api.expect(page.locator("#sessions tbody tr[data-id='consent-1']")).to_contain_text("not for training")
+    sync_api.expect(page.locator("#sessions tbody tr[data-id='erased-1']")).to_contain_text("content deleted")
+    _shot(page, "sessions_consent", "#sessions")
+    audit = console.get("/v1/audit", session_id="consent-1")["data"]
+    assert [(e["action"], e["detail"]["note"]) for e in audit] == [("no_train", "the user withdrew consent")]

@@ -307,9 +307,11 @@ function sessionsPage(view, params) {
         el("td", { class: "num" }, s.calls), el("td", { class: "num" }, s.tokens),
         el("td", {}, s.policy_version_min === null ? "—" : s.policy_version_min === s.policy_version_max
           ? `v${s.policy_version_min}` : `v${s.policy_version_min}–v${s.policy_version_max}`),
-        el("td", {}, s.excluded ? el("span", { class: "badge bad" }, "excluded")
-          : s.trained_version !== null ? `trained in v${s.trained_version}`
-            : s.skip_reason ? el("span", { class: "badge warn" }, `set aside: ${s.skip_reason}`) : ""),
+        el("td", {}, s.purged ? el("span", { class: "badge bad" }, PURGED[s.purged] || s.purged)
+          : noTrain(s) ? el("span", { class: "badge bad" }, "not for training")
+            : s.excluded ? el("span", { class: "badge bad" }, "excluded")
+              : s.trained_version !== null ? `trained in v${s.trained_version}`
+                : s.skip_reason ? el("span", { class: "badge warn" }, `set aside: ${s.skip_reason}`) : ""),
         el("td", {}, age(s.created_at)), el("td", {}, age(s.updated_at)),
       ))),
     );
@@ -409,6 +411,23 @@ function callTree(calls) {
   return el("ul", { class: "tree", id: "call-tree" }, roots.map(item));
 }
 
+// Why a session is never trained on (its skip_reason), and why its content is gone (its `purged`).
+const NO_TRAIN = { no_train_key: "its key's setting", no_train_header: "its request (X-Train: no)",
+  no_train_admin: "an admin" };
+const PURGED = { retention: "content purged", deleted: "content deleted" };
+
+function noTrain(session) {
+  return Object.hasOwn(NO_TRAIN, session.skip_reason || "");
+}
+
+function trainingState(session) {
+  if (noTrain(session)) return `not for training (${NO_TRAIN[session.skip_reason]})`;
+  if (session.purged) return `never (${PURGED[session.purged] || session.purged})`;
+  if (session.excluded) return "excluded";
+  if (session.trained_version !== null) return `trained in v${session.trained_version}`;
+  return session.skip_reason ? `set aside: ${session.skip_reason}` : "not yet";
+}
+
 function change(old, now) {
   return Object.keys(now).map((k) => `${k.replace("_", " ")} ${fmt(old[k])} → ${fmt(now[k])}`).join(", ");
 }
@@ -454,18 +473,23 @@ function actionsPanel(session, reload, notice) {
     }
     run("reward_override", { reward: value, note: note.value });
   };
-  const toggle = session.excluded
+  // A session not for training can be neither included again nor marked twice.
+  const toggle = noTrain(session) ? "" : session.excluded
     ? el("button", { type: "button", id: "include", onclick: () => run("include", { note: note.value }) },
       "Include in training")
     : el("button", { type: "button", id: "exclude", onclick: () => run("exclude", { note: note.value }) },
       "Exclude from training");
+  const never = noTrain(session) ? "" : el("button", { type: "button", id: "no-train", class: "danger",
+    title: "For good: no one can include it again (a user withdrew consent)",
+    onclick: () => window.confirm("Never train on this session or export it? No one can undo this.")
+      && run("no_train", { note: note.value }) }, "Never train on it");
   // Only with an override to clear: the trainer then uses the posted rewards again.
   const clear = session.reward_override === null ? "" : el("button", { type: "button", id: "clear-override",
     onclick: () => run("reward_override", { note: note.value }, "DELETE") }, "Clear override");
   return el("div", { class: "panel", id: "actions" }, el("h2", {}, "Actions"),
     el("form", { class: "actions", onsubmit: override },
       el("label", {}, "reward", reward), el("label", {}, "note", note),
-      el("button", { type: "submit", id: "override" }, "Override reward"), clear, toggle),
+      el("button", { type: "submit", id: "override" }, "Override reward"), clear, toggle, never),
     message, done);
 }
 
@@ -483,8 +507,8 @@ function sessionPage(view, id) {
       ["reward (for training)", fmt(session.reward)],
       ["posted rewards, summed", fmt(session.reward_total)],
       ["override", session.reward_override === null ? "—" : fmt(session.reward_override)],
-      ["training", session.excluded ? "excluded" : session.trained_version !== null
-        ? `trained in v${session.trained_version}` : session.skip_reason ? `set aside: ${session.skip_reason}` : "not yet"],
+      ["training", trainingState(session)],
+      ["content", session.purged ? `${PURGED[session.purged] || session.purged} ${when(session.purged_at)}` : "kept"],
       ["group", session.group_id], ["model", session.model || "—"], ["calls", session.calls.length],
       ["tokens", session.tokens], ["created", when(session.created_at)], ["updated", when(session.updated_at)],
     ];

@@ -356,3 +356,18 @@ def test_db_purge_clears_what_is_past_each_keys_retention(db_url: str, tmp_path:
     store = _sqlite_file(db_url)
     if store is not None:
         _assert_not_in_files(store, [f"{sid} private plans" for sid in by_default + by_key])
+
+
+def test_a_deleted_response_is_neither_read_back_nor_continued(retaining: RunningGateway) -> None:
+    gw = retaining
+    created = httpx.post(f"{gw.v1('responding')}/responses", headers=_headers(AGENT), timeout=60,
+                         json={"model": "tiny", "input": "remember the violet umbrella", "max_output_tokens": 4})
+    assert created.status_code == 200, created.text
+    response_id = created.json()["id"]
+    assert httpx.get(f"{gw.url}/v1/responses/{response_id}", headers=_headers(AGENT)).status_code == 200
+    assert _admin(gw, "DELETE", "/v1/sessions/responding").status_code == 200
+    read = httpx.get(f"{gw.url}/v1/responses/{response_id}", headers=_headers(AGENT))
+    assert read.status_code == 404 and read.json()["error"]["code"] == "response_not_found"
+    continued = httpx.post(f"{gw.url}/v1/responses", headers=_headers(AGENT), timeout=60, json={
+        "model": "tiny", "input": "and then?", "previous_response_id": response_id, "max_output_tokens": 4})
+    assert continued.status_code == 404 and continued.json()["error"]["code"] == "response_not_found"

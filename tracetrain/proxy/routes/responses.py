@@ -48,7 +48,7 @@ from tracetrain.proxy.serving import (
 )
 from tracetrain.store import queries
 from tracetrain.store.messages import call_messages
-from tracetrain.store.models import Call
+from tracetrain.store.models import PURGED_STATE, Call
 
 router = APIRouter()
 GENERATING = generation_responses({404: "No such model or previous response"})
@@ -73,7 +73,8 @@ async def _stored(gw: Gateway, response_id: str, caller: Caller, param: str | No
     """The recorded call of a stored response the caller may read."""
     calls = await gw.read(lambda db: queries.calls_by_completion(db, completion_id=response_id))
     call = calls[0] if calls else None
-    if call is None or call.request_params.get("store") is False:
+    # A purged call's content is gone (store/retention.py): nothing to read back or continue from.
+    if call is None or call.request_params.get("store") is False or call.state_hash == PURGED_STATE:
         raise APIError(404, f"Response '{response_id}' not found.", code="response_not_found", param=param)
     if not caller.may_access(call.owner):
         raise APIError(403, f"Response '{response_id}' belongs to another API key.", code="session_forbidden")

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from sqlalchemy import update
+from sqlalchemy import text, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -121,6 +121,7 @@ def _sqlite_file(db_url: str) -> Path | None:
 def test_the_scheduled_purge_clears_old_content_and_keeps_the_figures(retaining: RunningGateway, db_url: str) -> None:
     gw, db = retaining, retaining.gateway.db
     texts = {s: f"{s} remembers the lighthouse keeper's marmalade" for s in ("old", "kept-by-key", "recent")}
+    texts["old"] += " qxzjvw"  # trigrams no other text has: the search index must lose them too
     replies = {}
     for session, key in (("old", AGENT), ("kept-by-key", KEEPER), ("recent", AGENT)):
         first = _chat(gw, session, texts[session], key)
@@ -129,6 +130,9 @@ def test_the_scheduled_purge_clears_old_content_and_keeps_the_figures(retaining:
         _finish(gw, session, key)
         replies[session] = reply["content"]
     before = _admin(gw, "GET", "/v1/sessions/old").json()
+    store = _sqlite_file(db_url)
+    if store is not None:  # indexed for the search before it is purged
+        _wait_for(lambda: _indexed(db, "old") == 2)
     _age(db, ["old", "kept-by-key"], days=31)
     _wait_for(lambda: _purged(db, "old") is not None)
 
@@ -159,10 +163,16 @@ def test_the_scheduled_purge_clears_old_content_and_keeps_the_figures(retaining:
     _age(db, ["old"], days=31, purged_days=32)
     _wait_for(lambda: len(_admin(gw, "GET", "/v1/audit", params={"action": "purge"}).json()["data"]) == 2)
     _assert_cleared(db, "old")
-    store = _sqlite_file(db_url)
     if store is not None:
-        _assert_not_in_files(store, [texts["old"], "brand new question about otters", *[
+        _assert_not_in_files(store, [texts["old"], "qxz", "xzj", "zjv", "brand new question about otters", *[
             r for r in (replies["old"],) if r and len(r) > 12]])
+
+
+def _indexed(db: Engine, session_id: str) -> int:
+    """Calls of the session in SQLite's search index (store/search_index.py)."""
+    with db.connect() as connection:
+        return int(connection.execute(text("SELECT count(*) FROM call_search_rows WHERE session_id = :s"),
+                                      {"s": session_id}).scalar_one())
 
 
 def _old_sessions(db: Engine, prefix: str, n: int, *, days: float, owner: str | None = None) -> list[str]:

@@ -18,13 +18,14 @@ from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import Checkpoint, Publisher
 from tracetrain.engines.replicas import ReplicaSet
 from tracetrain.proxy.admission import Admission
-from tracetrain.proxy.auth import KeyRing
+from tracetrain.proxy.auth import KeyRing, fingerprint
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.gateway import Gateway, Load, Service, read_in_thread
 from tracetrain.proxy.holds import GenerationHolds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.publish_control import PublishController
+from tracetrain.proxy.redact import Redactors
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
 from tracetrain.redaction.redactor import Redactor
@@ -57,9 +58,18 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
         publishing=publishing, admission=Admission(config, db, metrics), holds=holds,
         keys=KeyRing(config.agent_keys(), config.admin_key, untrained=config.untrained_keys()),
-        metrics=metrics, redactor=Redactor(config.redaction, config.redaction_patterns), load=load,
+        metrics=metrics, redactors=redactors(config), load=load,
         engine_sleep=engine_sleep,
         services=[make(publishing.publish, holds.hold_for_training) for make in services])
+
+
+def redactors(config: Config) -> Redactors:
+    """The gateway's redactor and one per key with a mode of its own, built once: each compiles every
+    detector's pattern."""
+    by_mode = {mode: Redactor(mode, config.redaction_patterns)
+               for mode in {config.redaction, *config.redaction_by_key().values()}}
+    return Redactors(by_mode[config.redaction],
+                     {fingerprint(key): by_mode[mode] for key, mode in config.redaction_by_key().items()})
 
 
 def trainer_service(config: Config, db: DBEngine, model_dir: Any) -> ServiceFactory:

@@ -189,6 +189,9 @@ class ApiKey(BaseModel):
     """This key's sessions keep their content this many days after their last activity, in place of the
     gateway's `retention_days`; set to null, forever. Left out: the gateway's setting. (Per policy once
     named policies exist, docs/architecture.md decision 13.)"""
+    redaction: Literal["off", "detect", "redact"] | None = None
+    """This key's redaction mode in place of the gateway's `redaction` (a key whose users' data must be
+    kept as sent, or one that must never be). None: the gateway's. (Per policy once named policies exist.)"""
 
 
 class Config(BaseSettings):
@@ -543,6 +546,10 @@ class Config(BaseSettings):
         """Keys whose `retention_days` differs from the gateway's, with theirs (None: forever)."""
         return {k.key: k.retention_days for k in self.api_keys
                 if isinstance(k, ApiKey) and "retention_days" in k.model_fields_set}
+
+    def redaction_by_key(self) -> dict[str, Literal["off", "detect", "redact"]]:
+        """Keys whose redaction mode is their own, with it."""
+        return {k.key: k.redaction for k in self.api_keys if isinstance(k, ApiKey) and k.redaction is not None}
 
     def retains(self) -> bool:
         """Whether any session's content ever expires: a purge has something to do."""

@@ -167,3 +167,40 @@ def test_detect_counts_and_off_does_nothing(tiny_model_path: Path, tmp_path: Pat
             segment["loss_mask"][len(engine.prompts[0]):])
     finally:
         gw.stop()
+
+
+def test_a_key_may_have_its_own_redaction_mode(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The gateway redacts; one key keeps its users' data as sent, one only counts. The session's owner
+    decides, so the admin's call in a session of the first key is kept as sent too."""
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model_path)), "tiny")
+    keys = {"plain": "key-plain", "kept": "key-kept", "counted": "key-counted"}
+    gw = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'k.db'}", admin_key="key-admin",
+                       api_keys=[keys["plain"], {"key": keys["kept"], "redaction": "off"},
+                                 {"key": keys["counted"], "redaction": "detect"}])
+    admin = {"Authorization": "Bearer key-admin"}
+    try:
+        for name, key in [*keys.items(), ("kept", "key-admin")]:
+            engine.replies.append(f"Yes, {EMAIL}.")
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"mail {EMAIL}"}]}
+            response = httpx.post(f"{gw.url}/s/{name}/v1/chat/completions", json=body, timeout=60,
+                                  headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"] == f"Yes, {EMAIL}."  # served as sampled
+        stored = {name: httpx.get(f"{gw.url}/v1/sessions/{name}", headers=admin).json() for name in keys}
+        assert stored["plain"]["redactions"] == {"EMAIL": 2}
+        assert EMAIL not in json.dumps(stored["plain"]["calls"])
+        assert stored["counted"]["redactions"] == {"EMAIL": 2}
+        assert EMAIL in stored["counted"]["calls"][0]["response_message"]["content"]
+        assert stored["kept"]["redactions"] is None
+        assert all(EMAIL in call["response_message"]["content"] for call in stored["kept"]["calls"])
+    finally:
+        gw.stop()
+
+
+def test_a_bad_redaction_mode_on_a_key_is_refused_when_the_config_loads() -> None:
+    from pydantic import ValidationError
+
+    from tracetrain.config import Config
+
+    with pytest.raises(ValidationError, match="redaction"):
+        Config(api_keys=[{"key": "k", "redaction": "mask"}])

@@ -29,9 +29,9 @@ from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.holds import GenerationHolds, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.publish_control import PublishController
+from tracetrain.proxy.redact import Redactors
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
-from tracetrain.redaction.redactor import Redactor
 from tracetrain.store import retention, search_index
 from tracetrain.store.holds import active_holders
 from tracetrain.store.writer import StoreWriter
@@ -58,7 +58,7 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, renderer: ChatRenderer, db: DBEngine, *,
                  writer: StoreWriter, sessions: SessionDirectory, publishing: PublishController,
                  admission: Admission, holds: GenerationHolds, keys: KeyRing, metrics: GatewayMetrics,
-                 redactor: Redactor, load: Load, engine_sleep: EngineSleep | None = None,
+                 redactors: Redactors, load: Load, engine_sleep: EngineSleep | None = None,
                  services: Sequence[Service] = ()) -> None:
         self.config = config
         self.engine = engine
@@ -74,7 +74,7 @@ class Gateway:
         self.holds = holds
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.keys = keys
-        self.redactor = redactor
+        self.redactors = redactors
         """What is kept of each call (`redaction`, `redaction_patterns`; proxy/redact.py)."""
         self.metrics = metrics
         self.engine_sleep = engine_sleep

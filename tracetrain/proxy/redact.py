@@ -41,6 +41,18 @@ class KeptCall:
     """This request's findings in what it stores, for the session's counts."""
 
 
+class Redactors:
+    """The redactor of each caller: its key's own mode (config `api_keys`), else the gateway's."""
+
+    def __init__(self, default: Redactor, by_owner: dict[str, Redactor] | None = None) -> None:
+        self.default = default
+        self._by_owner = by_owner or {}
+
+    def of(self, owner: str | None) -> Redactor:
+        """The redactor for the key with fingerprint `owner` (None: a gateway without keys)."""
+        return self._by_owner.get(owner, self.default) if owner is not None else self.default
+
+
 def redact_request(redactor: Redactor, messages: list[dict[str, Any]],
                    sent: list[dict[str, Any]]) -> RequestRedaction | None:
     """Find what the request holds; None when redaction is off."""

@@ -129,7 +129,8 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
     session_id = spec.binding.session_id or spec.completion_id
     caller = Caller(owner=owner, admin=admin)
     stored = await gw.sessions.owned(session_id, caller, must_exist=False) if spec.binding.session_id else None
-    redaction = redact_request(gw.redactor, spec.messages, spec.request_messages)
+    # The session's owner decides, as it decides training: an admin's call in it is still its users' data.
+    redaction = redact_request(gw.redactors.of(stored.owner if stored else owner), spec.messages, spec.request_messages)
     hashed = redaction.messages if redaction else spec.messages
     group_id = spec.binding.group_id or (stored.group_id if stored else prompt_group(hashed))
     if stored is None:
@@ -249,7 +250,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     plan, spec = turn.plan, turn.spec
     prompt_delta = plan.prompt_ids[plan.prefix_len :]
     latency_ms = (time.perf_counter() - turn.started) * 1000
-    redacting, found = gw.redactor, turn.redaction
+    redacting, found = gw.redactors.of(turn.owner), turn.redaction
     sent = found.sent if found else spec.request_messages
     inherited = _inherited_messages(turn, sent)
     # What the store gets: placeholders and masked ids where redaction found something (proxy/redact.py).

@@ -11,61 +11,64 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from tracetrain.config import Config, load_config, parse_set
+from tracetrain.config import Config, EngineConfig, load_config, parse_set, setting_field
 
 log = logging.getLogger("tracetrain")
 
 
 def _model_dir(config: Config) -> Path:
-    if config.model == "smollm2":
+    if config.engine.model == "smollm2":
         from tracetrain.engines.models import smollm2_dir
 
         return smollm2_dir()
-    return Path(config.model)
+    return Path(config.engine.model)
 
 
 def build_engine(config: Config, model_dir: Path, stack: ExitStack) -> Any:
     """The engine of a settled config (`Config.settled`). vLLM is always a replica set (of one, usually):
     it bounds outstanding requests, fails over, and starts a server it started again when that server
     dies."""
-    if config.engine == "transformers":
+    settings = config.engine
+    if settings.kind == "transformers":
         from tracetrain.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, model_name=config.served_model_name)
+        return TransformersEngine(model_dir, model_name=settings.served_model_name)
     from tracetrain.engines.replicas import Replica, ReplicaSet
     from tracetrain.engines.vllm import VLLMEngine
     from tracetrain.engines.vllm_server import VLLMServer
 
-    started = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
-    urls = config.engine_url or [server.url for server in started]
+    started = [] if settings.urls else start_vllm_servers(config, model_dir, stack)
+    urls = settings.urls or [server.url for server in started]
     servers: list[VLLMServer | None] = list(started) or [None] * len(urls)
-    replicas = [Replica(VLLMEngine(url, model_name=config.served_model_name, timeout=config.engine_timeout_s,
-                                   json_max_whitespace=config.json_max_whitespace),
+    replicas = [Replica(VLLMEngine(url, model_name=settings.served_model_name, timeout=settings.timeout_s,
+                                   json_max_whitespace=settings.json_max_whitespace),
                         server=server) for url, server in zip(urls, servers, strict=True)]
-    return ReplicaSet(replicas, spill_at=config.replica_spill_at, max_outstanding=config.replica_max_outstanding,
-                      queue_wait_s=config.replica_queue_wait_s, queue_limit=config.replica_queue_limit,
-                      routing=config.replica_routing)
+    return ReplicaSet(replicas, spill_at=settings.spill_at, max_outstanding=settings.max_outstanding,
+                      queue_wait_s=settings.queue_wait_s, queue_limit=settings.queue_limit,
+                      routing=settings.routing)
 
 
 def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> list[Any]:
-    """`config.replicas` vLLM servers, stopped with `stack`: each on a Unix socket of its own in a
-    private directory (`vllm_listen: socket`), or on ports `vllm_port`, `vllm_port + 1`, ... (`tcp`)."""
+    """`engine.replicas` vLLM servers, stopped with `stack`: each on a Unix socket of its own in a
+    private directory (`engine.vllm_listen: socket`), or on ports `engine.vllm_port`, `engine.vllm_port + 1`,
+    ... (`tcp`)."""
     from tracetrain.engines.gpus import visible_gpus
     from tracetrain.engines.vllm_server import VLLMServer, replica_placement
 
-    gpus = [visible_gpus()[g] for g in config.engine_gpus]  # settled by `Config.settled`: one per replica
-    servers = [VLLMServer(model_dir, port=config.vllm_port + i, listen=config.vllm_listen,
-                          served_model_name=config.served_model_name, python=config.vllm_python,
-                          dtype=config.engine_dtype,
-                          extra_args=[*gpu_args(config), *config.vllm_args],
+    settings = config.engine
+    gpus = [visible_gpus()[g] for g in settings.gpus]  # settled by `Config.settled`: one per replica
+    servers = [VLLMServer(model_dir, port=settings.vllm_port + i, listen=settings.vllm_listen,
+                          served_model_name=settings.served_model_name, python=settings.vllm_python,
+                          dtype=settings.dtype,
+                          extra_args=[*gpu_args(settings), *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
                           max_lora_rank=config.train.lora_rank,
-                          env=replica_placement(i, config.replicas, gpus[i] if gpus else None))
-               for i in range(config.replicas)]
+                          env=replica_placement(i, settings.replicas, gpus[i] if gpus else None))
+               for i in range(settings.replicas)]
     for server in servers:
         stack.callback(server.stop)
     for server in servers:  # all launched first: they load in parallel
@@ -75,12 +78,12 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     return servers
 
 
-def gpu_args(config: Config) -> list[str]:
+def gpu_args(engine: EngineConfig) -> list[str]:
     """vLLM flags for the GPU plan: its memory share, and sleep mode when it sleeps during sync steps."""
     args = []
-    if config.engine_memory_share is not None:
-        args += ["--gpu-memory-utilization", f"{config.engine_memory_share:g}"]
-    if config.engine_sleep == "on":
+    if engine.memory_share is not None:
+        args += ["--gpu-memory-utilization", f"{engine.memory_share:g}"]
+    if engine.sleep == "on":
         args.append("--enable-sleep-mode")
     return args
 
@@ -92,9 +95,9 @@ def settle(config: Config, *, training_here: bool) -> Config:
         settled = config.settled(training_here=training_here)
     except ValueError as exc:
         raise SystemExit(f"configuration error: {exc}") from None
-    if settled.engine_gpus or settled.train.gpus:
-        log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", settled.engine_gpus or "none",
-                 settled.engine_memory_share, ", sleeps during sync steps" if settled.engine_sleep == "on" else "",
+    if settled.engine.gpus or settled.train.gpus:
+        log.info("GPUs: vLLM replicas on %s (memory share %s%s), trainer on %s", settled.engine.gpus or "none",
+                 settled.engine.memory_share, ", sleeps during sync steps" if settled.engine.sleep == "on" else "",
                  settled.train.gpus or "the CPU")
     return settled
 
@@ -111,29 +114,30 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     mode = config.publish_mode()
     if mode == "none":
         return None
-    probe = ProbeCheck(config.engine_dtype, config.publish_probe_tolerance) if config.publish_probe else None
+    settings = config.engine
+    probe = ProbeCheck(settings.dtype, settings.publish_probe_tolerance) if settings.publish_probe else None
     # Told apart without importing the in-process engine's module: it imports torch, which a gateway in
     # front of vLLM does not need (`pip install tracetrain` alone serves).
     if not isinstance(engine, ReplicaSet):
         return InProcessPublisher(engine)
     engines = [r.engine for r in engine.replicas]
     if mode == "lora":
-        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines], canary_share=config.canary_share,
-                                probe=probe)
+        return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines],
+                                canary_share=config.promotion.canary_share, probe=probe)
     return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines],
-                            canary_share=config.canary_share, probe=probe)
+                            canary_share=config.promotion.canary_share, probe=probe)
 
 
 def serve(config: Config, *, train: bool = False) -> None:
-    config.check_access()  # first: refuse in a second, before importing torch or loading any model
-    if config.gateway_workers > 1:
+    config.gateway.check_access()  # first: refuse in a second, before importing torch or loading any model
+    if config.gateway.workers > 1:
         if train:
             raise SystemExit("configuration error: --train runs the trainer inside the gateway process; with "
                              "--workers > 1 run it as its own process (`tracetrain train --gateway-url …`)")
         serve_workers(config)
         return
-    if train and config.gateway_cpus:
-        raise SystemExit("configuration error: gateway_cpus with --train would confine the trainer in the "
+    if train and config.gateway.cpus:
+        raise SystemExit("configuration error: gateway.cpus with --train would confine the trainer in the "
                          "gateway process to those CPUs; run it as its own process (`tracetrain train`)")
     import uvicorn
     from transformers import AutoTokenizer
@@ -145,19 +149,19 @@ def serve(config: Config, *, train: bool = False) -> None:
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
     # The store first: an out-of-date one is refused before vLLM spends a minute starting.
-    db = make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous)
+    db = make_engine(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous)
     with ExitStack() as stack:
         engine = build_engine(config, model_dir, stack)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         gateway = build_gateway(config, engine, tokenizer, db, publisher=build_publisher(config, engine, model_dir),
                                 services=[trainer_service(config, db, model_dir)] if train else [])
         log.info("gateway on http://%s:%d  (agents: OPENAI_BASE_URL=http://%s:%d/s/<session>/v1)",
-                 config.host, config.port, config.host, config.port)
-        if config.gateway_cpus:  # engine: transformers is refused when the config loads
+                 config.gateway.host, config.gateway.port, config.gateway.host, config.gateway.port)
+        if config.gateway.cpus:  # engine.kind: transformers is refused when the config loads
             # Here, after any vLLM server started (a child would inherit the affinity): the event loop's
             # thread, and the store's threads it starts from now on.
-            os.sched_setaffinity(0, config.gateway_cpus)
-            log.info("gateway pinned to CPU %s", ",".join(map(str, config.gateway_cpus)))
+            os.sched_setaffinity(0, config.gateway.cpus)
+            log.info("gateway pinned to CPU %s", ",".join(map(str, config.gateway.cpus)))
         if train and config.train.uses_fsdp:
             from tracetrain.trainer.fsdp_backend import start_ray
 
@@ -167,7 +171,7 @@ def serve(config: Config, *, train: bool = False) -> None:
         # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the
         # ExitStack stop the vLLM server instead of the process dying and orphaning it.
         signal.signal(signal.SIGTERM, _exit_on_signal)
-        uvicorn.run(build_app(gateway), host=config.host, port=config.port, **UVICORN_OPTIONS)
+        uvicorn.run(build_app(gateway), host=config.gateway.host, port=config.gateway.port, **UVICORN_OPTIONS)
 
 
 UVICORN_OPTIONS: dict[str, Any] = {
@@ -182,7 +186,7 @@ WORKER_CONFIG = "TRACETRAIN_WORKER_CONFIG"
 
 
 def serve_workers(config: Config) -> None:
-    """`gateway_workers` worker processes on one port (`proxy/processes.py`). vLLM servers are started here, in the
+    """`gateway.workers` worker processes on one port (`proxy/processes.py`). vLLM servers are started here, in the
     supervising process, and restarted here when they die; each worker reaches them by URL and builds
     its own gateway on the shared store (`worker_app`)."""
     import threading
@@ -192,10 +196,10 @@ def serve_workers(config: Config) -> None:
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
-    db = make_engine(config.db_url)  # an out-of-date store is refused once, here
+    db = make_engine(config.store.url)  # an out-of-date store is refused once, here
     with ExitStack() as stack:
-        servers = [] if config.engine_url else start_vllm_servers(config, model_dir, stack)
-        urls = config.engine_url or [server.url for server in servers]
+        servers = [] if config.engine.urls else start_vllm_servers(config, model_dir, stack)
+        urls = config.engine.urls or [server.url for server in servers]
         stop = threading.Event()
         stack.callback(stop.set)
         # Full weights: the workers label each replica with what the store says it holds; a restarted
@@ -205,14 +209,13 @@ def serve_workers(config: Config) -> None:
         # The workers reach the servers started here by URL; a socket travels as `unix:/path`, which
         # the workers run as this user may open (its directory is this user's alone).
         # Each worker is put on its CPU before it starts (processes.py): it does not pin itself again.
-        worker_config = config.model_copy(update={"engine_url": urls, "replicas": 1, "engine": "vllm",
-                                                  "gateway_cpus": []})
+        worker_config = config.updated(engine={"urls": urls, "replicas": 1, "kind": "vllm"}, gateway={"cpus": []})
         os.environ[WORKER_CONFIG] = worker_config.model_dump_json()
-        log.info("gateway on http://%s:%d with %d worker processes", config.host, config.port,
-                 config.gateway_workers)
+        log.info("gateway on http://%s:%d with %d worker processes", config.gateway.host, config.gateway.port,
+                 config.gateway.workers)
         # SIGTERM stops the workers and returns here; the ExitStack then stops the vLLM servers.
-        run_workers("tracetrain.cli:worker_app", workers=config.gateway_workers, cpus=config.gateway_cpus,
-                    host=config.host, port=config.port, options=UVICORN_OPTIONS)
+        run_workers("tracetrain.cli:worker_app", workers=config.gateway.workers, cpus=config.gateway.cpus,
+                    host=config.gateway.host, port=config.gateway.port, options=UVICORN_OPTIONS)
 
 
 def _restart_dead(servers: list[Any], stop: Any, store: Any = None) -> None:
@@ -246,11 +249,11 @@ def worker_app() -> Any:
     from tracetrain.store.db import make_engine
 
     config = Config.model_validate_json(os.environ[WORKER_CONFIG])
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.gateway.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = _model_dir(config)
     engine = build_engine(config, model_dir, ExitStack())  # by URL: nothing to stop
     gateway = build_gateway(config, engine, AutoTokenizer.from_pretrained(str(model_dir)),
-                            make_engine(config.db_url, sqlite_synchronous=config.sqlite_synchronous),
+                            make_engine(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous),
                             publisher=build_publisher(config, engine, model_dir))
     return build_app(gateway)
 
@@ -261,8 +264,8 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
 
 def _redacted(config: Config) -> dict[str, Any]:
     values = config.model_dump()
-    values["api_keys"] = ["***"] * len(config.api_keys)
-    values["admin_key"] = "***" if config.admin_key else None
+    values["gateway"]["api_keys"] = ["***"] * len(config.gateway.api_keys)
+    values["gateway"]["admin_key"] = "***" if config.gateway.admin_key else None
     return values
 
 
@@ -290,8 +293,8 @@ def train_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.trainer.service import run_standalone
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
-    run_standalone(config.train, make_engine(config.db_url), _model_dir(config), args.gateway_url,
-                   config.admin_key)
+    run_standalone(config.train, make_engine(config.store.url), _model_dir(config), args.gateway_url,
+                   config.gateway.admin_key)
 
 
 def db_cmd(args: argparse.Namespace, config: Config) -> None:
@@ -301,7 +304,7 @@ def db_cmd(args: argparse.Namespace, config: Config) -> None:
     if args.action == "purge":
         purge_cmd(config)
         return
-    engine = open_engine(config.db_url)
+    engine = open_engine(config.store.url)
     if args.action == "current":
         current, has_tables = schema.revision(engine)
         found = current or ("tracetrain 0.1 (no revision)" if has_tables else "empty")
@@ -324,11 +327,11 @@ def purge_cmd(config: Config) -> None:
     from tracetrain.store.writer import StoreWriter
 
     if not config.retains():
-        print("nothing to purge: neither retention_days nor any key's retention_days is set")
+        print("nothing to purge: neither store.retention_days nor any key's retention_days is set")
         return
-    engine = make_engine(config.db_url)  # an out-of-date store is refused
-    rules = retention.Retention(config.retention_days,
-                                {fingerprint(key): days for key, days in config.retention_by_key().items()})
+    engine = make_engine(config.store.url)  # an out-of-date store is refused
+    rules = retention.Retention(config.store.retention_days, {
+        fingerprint(key): days for key, days in config.gateway.retention_by_key().items()})
 
     async def run() -> int:
         # Through a store writer, as the gateway writes: on SQLite it takes turns with running gateways.
@@ -346,15 +349,45 @@ def export_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store.db import make_engine
     from tracetrain.store.export import export
 
-    rows = export(make_engine(config.db_url), Path(args.out), args.format)
+    rows = export(make_engine(config.store.url), Path(args.out), args.format)
     print(f"wrote {rows} trajectory segments to {args.out}")
 
 
-def _help(name: str) -> str:
-    """A flag's help: the first sentence of its setting's docstring (docs/configuration.md has it all)."""
-    text = " ".join((Config.model_fields[name].description or "").split())
+FLAGS: dict[str, str] = {
+    "host": "gateway.host", "port": "gateway.port", "engine": "engine.kind", "engine-url": "engine.urls",
+    "model": "engine.model", "served-model-name": "engine.served_model_name", "replicas": "engine.replicas",
+    "vllm-port": "engine.vllm_port", "db-url": "store.url", "admin-key": "gateway.admin_key",
+    "api-key": "gateway.api_keys", "workers": "gateway.workers", "gateway-cpus": "gateway.cpus",
+    "retention-days": "store.retention_days",
+}
+"""The named flags of every subcommand and the setting each one sets; every other setting is
+`--set GROUP.NAME=VALUE`."""
+SERVE_FLAGS = ("host", "port", "engine", "engine-url", "model", "served-model-name", "replicas", "vllm-port",
+               "db-url", "admin-key", "api-key", "workers", "gateway-cpus")
+TRAIN_FLAGS = ("db-url", "model", "admin-key")
+REPEATED = ("engine-url", "api-key")
+"""Flags given once per value (`--engine-url a --engine-url b`)."""
+
+
+def _help(path: str) -> str:
+    """A flag's help: the first sentence of its setting's docstring (docs/configuration.md has it all), and
+    the setting's name, for YAML, the environment and `--set`."""
+    text = " ".join((setting_field(path).description or "").split())
     first = text.split(". ")[0].rstrip(".")
-    return (first + ".").replace("%", "%%")  # argparse formats help with %
+    return f"{first}. Setting: {path}.".replace("%", "%%")  # argparse formats help with %
+
+
+def _add_setting_flag(parser: argparse.ArgumentParser, flag: str, note: str = "") -> None:
+    """`--flag` for the setting `FLAGS` names, its value stored under the setting's dotted path."""
+    path = FLAGS[flag]
+    metavar = flag.upper().replace("-", "_")
+    if flag in REPEATED:
+        parser.add_argument(f"--{flag}", action="append", dest=path, metavar=metavar,
+                            help=_help(path) + " Repeatable." + note)
+    else:
+        annotation = setting_field(path).annotation
+        kind = int if int in (annotation, *get_args(annotation)) else str  # `int | None` too
+        parser.add_argument(f"--{flag}", type=kind, dest=path, metavar=metavar, help=_help(path) + note)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -363,36 +396,42 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="gateway + vLLM + an example agent posting rewards (see tracetrain.demo)")
     serve_p = sub.add_parser("serve", help="run the gateway in front of an engine")
-    for flag, kind in (("host", str), ("port", int), ("engine", str), ("model", str), ("served-model-name", str),
-                       ("db-url", str), ("vllm-port", int), ("admin-key", str), ("replicas", int)):
-        serve_p.add_argument(f"--{flag}", type=kind, help=_help(flag.replace("-", "_")))
-    serve_p.add_argument("--workers", type=int, dest="gateway_workers", help=_help("gateway_workers"))
-    serve_p.add_argument("--gateway-cpus", dest="gateway_cpus", help=_help("gateway_cpus"))
-    serve_p.add_argument("--engine-url", action="append", dest="engine_url",
-                         help=_help("engine_url") + " Repeatable.")
-    serve_p.add_argument("--api-key", action="append", dest="api_keys", help=_help("api_keys") + " Repeatable.")
+    for flag in SERVE_FLAGS:
+        _add_setting_flag(serve_p, flag)
     serve_p.add_argument("--train", action="store_true", help="Run the trainer in the gateway process.")
     train_p = sub.add_parser("train", help="run the trainer as its own process against the same store")
-    for flag in ("db-url", "model", "admin-key"):
-        train_p.add_argument(f"--{flag}", help=_help(flag.replace("-", "_")))
+    for flag in TRAIN_FLAGS:
+        _add_setting_flag(train_p, flag)
     train_p.add_argument("--gateway-url", help="gateway that publishes each new version (admin key needed)")
     for p in (serve_p, train_p):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="any setting: train.lr=1e-4, or lr=1e-4 for a trainer-only name; admission=staleness "
-                            "(repeatable; the same keys in every subcommand)")
+                       help="any setting as GROUP.NAME (engine.kind=vllm, gateway.admission=staleness, "
+                            "train.lr=1e-4), or a trainer-only name bare (lr=1e-4); repeatable, the same keys in "
+                            "every subcommand")
     db_p = sub.add_parser("db", help="the store: `current` shows its schema revision, `upgrade` migrates it, "
                           "`purge` clears the content of sessions past their retention")
     db_p.add_argument("action", choices=["current", "upgrade", "purge"],
                       help="current: the schema revision; upgrade: migrate to this tracetrain's; purge: clear the "
-                      "content of sessions older than retention_days (keeping their figures)")
-    db_p.add_argument("--db-url", help=_help("db_url"))
-    db_p.add_argument("--retention-days", type=int, help=_help("retention_days") + " (purge; default: the config's)")
+                      "content of sessions older than store.retention_days (keeping their figures)")
+    _add_setting_flag(db_p, "db-url")
+    _add_setting_flag(db_p, "retention-days", " For purge; default: the config's.")
     export_p = sub.add_parser("export", help="export trajectories to JSONL or Parquet")
-    export_p.add_argument("--db-url", help=_help("db_url"))
+    _add_setting_flag(export_p, "db-url")
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
                           help="JSON lines, or Parquet (needs the export extra).")
     export_p.add_argument("--out", required=True, help="File to write the trajectory segments to.")
     return parser
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags and `--set`, nested by group; a named flag wins over `--set`. A flag left
+    out is None here and sets nothing (`--set GROUP.NAME=null` may set a None)."""
+    overrides = parse_set(getattr(args, "set", []))
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            group, name = key.split(".")
+            overrides.setdefault(group, {})[name] = value
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -405,16 +444,13 @@ def main(argv: list[str] | None = None) -> None:
         demo(argv[1:])
         return
     args = _parser().parse_args(argv)
-    skip = ("config", "command", "format", "out", "train", "gateway_url", "set", "action")
-    # A flag left out is None here; only given flags override (`--set KEY=null` may set a None).
-    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     try:
-        config = load_config(args.config, **{**parse_set(getattr(args, "set", [])), **overrides})
+        config = load_config(args.config, **flag_overrides(args))
     except ValidationError as exc:  # a sentence per problem, not a traceback
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
                              for e in exc.errors())
         raise SystemExit(f"configuration error: {problems}") from None
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.gateway.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call otherwise
     training_here = args.command == "train" or (args.command == "serve" and args.train)
     if training_here:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine as DBEngine
 
-from tracetrain.config import Config
+from tracetrain.config import Config, GatewayConfig
 from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import Checkpoint, Publisher
 from tracetrain.engines.replicas import ReplicaSet
@@ -46,24 +46,25 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
     metrics.queue_depth.set_function(lambda: writer.queue_depth)
     metrics.policy_version.set_function(lambda: engine.version)
     holds = GenerationHolds()
-    engine_sleep = (EngineSleep(holds, engine) if config.engine_sleep == "on" and isinstance(engine, ReplicaSet)
+    engine_sleep = (EngineSleep(holds, engine) if config.engine.sleep == "on" and isinstance(engine, ReplicaSet)
                     else None)
     read = functools.partial(read_in_thread, db)
-    canary = Promotion(config, engine, read=read, write=writer.submit)
+    canary = Promotion(config.promotion, engine, read=read, write=writer.submit)
     publishing = PublishController(engine, publisher, writer=writer, read=read, holds=holds, canary=canary,
                                    engine_sleep=engine_sleep)
-    template = config.chat_template.read_text() if config.chat_template else None
+    template = config.gateway.chat_template.read_text() if config.gateway.chat_template else None
     return Gateway(
         config, engine, ChatRenderer(tokenizer, template=template), db,
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
         publishing=publishing, admission=Admission(config, db, metrics), holds=holds,
-        keys=KeyRing(config.agent_keys(), config.admin_key, untrained=config.untrained_keys()),
-        metrics=metrics, redactors=redactors(config), load=load,
+        keys=KeyRing(config.gateway.agent_keys(), config.gateway.admin_key,
+                     untrained=config.gateway.untrained_keys()),
+        metrics=metrics, redactors=redactors(config.gateway), load=load,
         engine_sleep=engine_sleep,
         services=[make(publishing.publish, holds.hold_for_training) for make in services])
 
 
-def redactors(config: Config) -> Redactors:
+def redactors(config: GatewayConfig) -> Redactors:
     """The gateway's redactor and one per key with a mode of its own, built once: each compiles every
     detector's pattern."""
     by_mode = {mode: Redactor(mode, config.redaction_patterns)

@@ -1,5 +1,7 @@
 """One configuration object, from (lowest to highest precedence) defaults, a YAML file,
-`TRACETRAIN_…` environment variables and command-line flags."""
+`TRACETRAIN_…` environment variables and command-line flags. Its settings are grouped by concern: `engine`,
+`store`, `gateway`, `train` and `promotion` (`engine.urls` in YAML is `engine: {urls: […]}`, in the
+environment `TRACETRAIN_ENGINE__URLS`, on the command line `--set engine.urls=…`)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -31,7 +35,7 @@ log = logging.getLogger(__name__)
 class TrainConfig(BaseModel):
     """The learning loop. Algorithm names come from verl's registries (your own registered ones too)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)  # each field's docstring is its description
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)  # a docstring is its description
 
     plugins: list[str] = Field(default_factory=list)
     """Modules imported before the trainer starts: register your own verl estimators and losses there
@@ -139,7 +143,7 @@ class TrainConfig(BaseModel):
     gpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
     """GPUs the trainer's workers use, one each (`0` or `2,3` or `4-7`, numbered as CUDA_VISIBLE_DEVICES
     orders them). Empty: the GPUs after the engine's, or on one GPU the GPU the engine uses (see
-    `engine_gpus`)."""
+    `engine.gpus`)."""
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -186,63 +190,41 @@ class ApiKey(BaseModel):
     """False: sessions this key creates are served and kept for audit, but never trained on or exported
     for training (counted as set aside with reason `no_train_key`)."""
     retention_days: int | None = Field(default=None, ge=1)
-    """This key's sessions keep their content this many days after their last activity, in place of the
-    gateway's `retention_days`; set to null, forever. Left out: the gateway's setting. (Per policy once
+    """This key's sessions keep their content this many days after their last activity, in place of
+    `store.retention_days`; set to null, forever. Left out: `store.retention_days`. (Per policy once
     named policies exist, docs/architecture.md decision 13.)"""
     redaction: Literal["off", "detect", "redact"] | None = None
-    """This key's redaction mode in place of the gateway's `redaction` (a key whose users' data must be
-    kept as sent, or one that must never be). None: the gateway's. (Per policy once named policies exist.)"""
+    """This key's redaction mode in place of `gateway.redaction` (a key whose users' data must be
+    kept as sent, or one that must never be). None: `gateway.redaction`. (Per policy once named policies exist.)"""
 
 
-class Config(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid",
-                                      use_attribute_docstrings=True)
+class EngineConfig(BaseModel):
+    """Which engine serves, the model it serves, the vLLM servers it starts or reaches, and how calls are spread
+    over them."""
 
-    @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource,
-                                   dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource,
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Highest first: explicit values (CLI flags), environment, the YAML file given to `load_config`."""
-        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls, yaml_file=_YAML_FILE.get())
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    host: str = "127.0.0.1"
-    """Address the gateway binds. Anything but loopback requires API keys."""
-    port: int = 8000
-    """Port of the gateway."""
-    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    kind: Literal["auto", "vllm", "transformers"] = "auto"
     """`vllm` starts or connects to a vLLM server; `transformers` runs in-process; `auto` picks vLLM
     when it is installed."""
-    engine_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Base URLs of running vLLM servers (http://host:port, or unix:/path/to/socket for one started
     with `--uds`) instead of starting one; several make replicas: sessions stick to one, new sessions
-    go to the least loaded (`--engine-url` repeatable)."""
+    go to the least loaded (`--engine-url`, once per server)."""
     replicas: int = Field(default=1, ge=1)
-    """vLLM servers to start on this machine (each on its own socket, see `vllm_listen`) when no
-    `engine_url` is given."""
-    gateway_workers: int = Field(default=1, ge=1)
-    """Gateway processes serving the port (`serve --workers N`); they share the store, the engines and
-    the generation holds, and follow the versions any of them publishes. A LoRA version switches in
-    every process within a second; a full-weight reload first waits until every process has stopped
-    sending to the replica it reloads (proxy/replica_sync.py)."""
-    gateway_cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
-    """CPUs the gateway's processes run on (`--gateway-cpus 2,3` or `2-5`; Linux): one process on all of
-    them, or with `gateway_workers` each worker on one, in turn. Its event loop and its store threads then
-    share a core's caches instead of waking each other across cores, which costs less CPU per call on
-    hosts with many cores (docs/benchmarks.md). Keep them off the cores vLLM's processes busy-poll on.
-    Empty: wherever the scheduler puts them."""
-    replica_routing: Literal["sticky", "round_robin"] = "sticky"
+    """vLLM servers to start on this machine (each on its own socket, see `engine.vllm_listen`) when no
+    `engine.urls` are given."""
+    routing: Literal["sticky", "round_robin"] = "sticky"
     """`sticky`: a session's calls go to the replica holding its prefix, new sessions to the least
     loaded; `round_robin`: every call to the next replica (no affinity; for comparison)."""
-    replica_spill_at: int = Field(default=8, ge=1)
+    spill_at: int = Field(default=8, ge=1)
     """Outstanding requests on a session's replica at which its next call goes to a less loaded one
     (recorded as `route: spill`): the prefix is recomputed there, but the call does not queue."""
-    replica_max_outstanding: int = Field(default=64, ge=1)
+    max_outstanding: int = Field(default=64, ge=1)
     """Requests the gateway has outstanding on one replica at most; beyond it requests wait."""
-    replica_queue_wait_s: float = Field(default=30.0, ge=0)
+    queue_wait_s: float = Field(default=30.0, ge=0)
     """How long a request waits for room on a replica before it is answered 429 with `Retry-After`."""
-    replica_queue_limit: int = Field(default=1024, ge=0)
+    queue_limit: int = Field(default=1024, ge=0)
     """Requests that may wait for room at once; more are answered 429 at once."""
     model: str = "smollm2"
     """Model directory, or `smollm2` for the embedded SmolLM2-135M-Instruct (converted once, cached)."""
@@ -254,70 +236,156 @@ class Config(BaseSettings):
     vllm_listen: Literal["socket", "tcp"] = "socket"
     """Where the vLLM servers the gateway starts listen. `socket`: a Unix socket in a directory only
     this user may enter, so nothing but the gateway (and this user) reaches them. `tcp`: loopback ports
-    from `vllm_port`, where every local process reaches their development endpoints (`/pause`,
+    from `engine.vllm_port`, where every local process reaches their development endpoints (`/pause`,
     `/collective_rpc`, LoRA loading), which vLLM's `--api-key` does not guard; for tools that must
     reach the server by port."""
     vllm_port: int = 8100
-    """Port of the first vLLM server the gateway starts, with `vllm_listen: tcp` (ignored otherwise)."""
+    """Port of the first vLLM server the gateway starts, with `engine.vllm_listen: tcp` (ignored otherwise)."""
     vllm_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments for the vLLM server the gateway starts."""
-    engine_gpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    gpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
     """GPUs of the vLLM servers started here, one per replica (`0` or `0,1`, numbered as
-    CUDA_VISIBLE_DEVICES orders them). Empty: the first `replicas` GPUs. The trainer takes the GPUs after
-    them (`train.gpus`); on a machine with one GPU both use it (docs/architecture.md, "GPUs")."""
-    engine_memory_share: float | None = Field(default=None, gt=0, le=0.98)
+    CUDA_VISIBLE_DEVICES orders them). Empty: the first `engine.replicas` GPUs. The trainer takes the GPUs
+    after them (`train.gpus`); on a machine with one GPU both use it (docs/architecture.md, "GPUs")."""
+    memory_share: float | None = Field(default=None, gt=0, le=0.98)
     """Share of its GPU's memory a vLLM server started here may take (`--gpu-memory-utilization`). None:
     0.9 on a GPU of its own; on a GPU it shares with the trainer 0.6 in `sync` mode (vLLM sleeps while
     the trainer steps) and 0.45 in `async` mode (both compute at once)."""
-    engine_sleep: Literal["auto", "on", "off"] = "auto"
+    sleep: Literal["auto", "on", "off"] = "auto"
     """Whether vLLM sleeps (level 1: weights to host memory, KV cache dropped) while a `sync`-mode step
     trains, and wakes for the new version: the trainer then has the GPU's memory to itself. `auto`: on
     when the engine and the trainer share a GPU in `sync` mode. CUDA only."""
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The dtype vLLM serves in: passed as `--dtype` to the servers started here, and the dtype whose
-    tolerance the publish probe uses (`publish_probe`). `auto`: bfloat16 for servers started on GPUs,
-    float32 for servers on the CPU, and for servers given by `engine_url` (dtype unknown here) bfloat16's
-    wider tolerance."""
+    tolerance the publish probe uses (`engine.publish_probe`). `auto`: bfloat16 for servers started on
+    GPUs, float32 for servers on the CPU, and for servers given by `engine.urls` (dtype unknown here)
+    bfloat16's wider tolerance."""
     publish_probe: bool = True
     """After loading a version into a replica, score a fixed sequence there and compare its logprobs with
     the trainer's for the new weights (engines/probe.py). A replica that does not match is taken out of
     routing and does not serve the version; the figures go on the version's row."""
     publish_probe_tolerance: float | None = Field(default=None, gt=0)
-    """Largest mean |logprob difference| a replica's probe may show. None: by `engine_dtype` (float32
+    """Largest mean |logprob difference| a replica's probe may show. None: by `engine.dtype` (float32
     2e-3, float16 2e-2, bfloat16 5e-2)."""
-    engine_timeout_s: float = 300.0
+    timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
     json_max_whitespace: int | None = Field(default=64, ge=1)
     """vLLM: at most this many consecutive whitespace characters in constrained JSON (forced tool
     calls, `response_format`), per request through an xgrammar structural tag. Enough for a model that
     indents nested objects (a newline plus a few levels of indentation), too few to pad until
     max_tokens. None: the server's setting."""
-    db_url: str = "sqlite:///tracetrain.db"
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _one_url(cls, value: Any) -> Any:
+        """One URL as a plain string (YAML, `TRACETRAIN_ENGINE__URLS=http://…`) is a list of one."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [u for u in value.replace(",", " ").split() if u]
+        return value
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_parse(cls, value: list[str]) -> list[str]:
+        """Each URL in a form the engine can reach, checked here rather than at the first request."""
+        from tracetrain.engines.vllm_server import engine_address
+
+        for url in value:
+            engine_address(url)
+        return value
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_list(cls, value: Any) -> Any:
+        return index_list("engine.gpus", value)
+
+    @model_validator(mode="after")
+    def _check_servers(self) -> EngineConfig:
+        if self.urls and self.replicas > 1:
+            raise ValueError("engine.replicas starts vLLM servers here; with engine.urls, list every server instead")
+        if self.kind == "transformers" and (self.replicas > 1 or self.urls):
+            raise ValueError("engine.kind: transformers runs in-process; engine.replicas and engine.urls need "
+                             "engine.kind: vllm")
+        if self.gpus and (self.urls or self.kind == "transformers"):
+            raise ValueError("engine.gpus places the vLLM servers this gateway starts; with engine.urls or "
+                             "engine.kind: transformers it starts none")
+        if self.spill_at > self.max_outstanding:
+            raise ValueError(f"engine.spill_at ({self.spill_at}) above engine.max_outstanding "
+                             f"({self.max_outstanding}) would never spill")
+        return self
+
+    @property
+    def servers(self) -> int:
+        """vLLM servers the gateway sends to: those listed in `urls`, or the replicas it starts."""
+        return len(self.urls) or self.replicas
+
+    def starts_vllm(self) -> bool:
+        """Whether the gateway starts vLLM servers of its own (no `urls`, not the in-process engine)."""
+        return not self.urls and self.kind != "transformers"
+
+    def vllm_available(self) -> bool:
+        """A vLLM server to reach (`urls`) or a vLLM installation to start one with."""
+        from tracetrain.engines.vllm_server import find_vllm_python
+
+        return bool(self.urls) or (self.vllm_python or find_vllm_python()) is not None
+
+
+class StoreConfig(BaseModel):
+    """A SQLite (WAL) file for the processes of one host, or a PostgreSQL database, which several hosts can
+    share; and how long sessions keep their content."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    url: str = "sqlite:///tracetrain.db"
     """Store URL: SQLite (WAL) file or postgresql+psycopg://…"""
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """FULL survives power loss; NORMAL survives a killed process only, and commits faster."""
+    retention_days: int | None = Field(default=None, ge=1)
+    """Days a session keeps its content after its last activity; then a purge clears its messages, replies,
+    token ids, logprobs and tool arguments and results, and keeps what the figures need (the session row
+    with its counts, rewards, versions, timestamps and redaction counts); a purged session is never trained
+    on or exported. None: kept forever. A key may set its own (`gateway.api_keys`). The gateway purges every
+    `store.retention_interval_s`; `tracetrain db purge` purges at once. It becomes a setting per policy when
+    named policies exist (docs/architecture.md, decision 13)."""
+    retention_interval_s: float = Field(default=3600.0, gt=0)
+    """How often the gateway purges sessions past their retention (one batch of sessions per write
+    transaction, beside the traffic); it also purges once as it starts."""
+
+
+class GatewayConfig(BaseModel):
+    """Where it listens, its processes, who may call it, what it keeps of each call, and when it holds new
+    sessions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the gateway binds. Anything but loopback requires API keys."""
+    port: int = 8000
+    """Port of the gateway."""
+    workers: int = Field(default=1, ge=1)
+    """Gateway processes serving the port (`serve --workers N`); they share the store, the engines and
+    the generation holds, and follow the versions any of them publishes. A LoRA version switches in
+    every process within a second; a full-weight reload first waits until every process has stopped
+    sending to the replica it reloads (proxy/replica_sync.py)."""
+    cpus: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    """CPUs the gateway's processes run on (`--gateway-cpus 2,3` or `2-5`; Linux): one process on all of
+    them, or with `gateway.workers` each worker on one, in turn. Its event loop and its store threads then
+    share a core's caches instead of waking each other across cores, which costs less CPU per call on
+    hosts with many cores (docs/benchmarks.md). Keep them off the cores vLLM's processes busy-poll on.
+    Empty: wherever the scheduler puts them."""
     api_keys: list[str | ApiKey] = Field(default_factory=list)
     """Agent keys: each may create sessions and read or reward its own. An entry is the key, or
     `{key: …, train: false}` for a key whose sessions are never trained on (users who did not consent),
     and `retention_days: N` for a key whose sessions keep their content N days (null: forever)."""
     admin_key: str | None = None
     """Key for listing, export and weight endpoints (and every session)."""
-    retention_days: int | None = Field(default=None, ge=1)
-    """Days a session keeps its content after its last activity; then a purge clears its messages, replies,
-    token ids, logprobs and tool arguments and results, and keeps what the figures need (the session row
-    with its counts, rewards, versions, timestamps and redaction counts); a purged session is never trained
-    on or exported. None: kept forever. A key may set its own (`api_keys`). The gateway purges every
-    `retention_interval_s`; `tracetrain db purge` purges at once. It becomes a setting per policy when
-    named policies exist (docs/architecture.md, decision 13)."""
-    retention_interval_s: float = Field(default=3600.0, gt=0)
-    """How often the gateway purges sessions past their retention (one batch of sessions per write
-    transaction, beside the traffic); it also purges once as it starts."""
     metrics_key: Literal["none", "any", "admin"] = "none"
     """Who may read `/metrics`: anyone (`none`, for a scraper on a private network), any configured key
     (`any`), or the admin key only (`admin`). Scrapers send the key as `Authorization: Bearer`."""
     redaction: Literal["off", "detect", "redact"] = "redact"
     """Personal data and secrets in what is stored (e-mail addresses, phone, card and IBAN numbers, API
-    keys and bearer tokens, IP addresses, and `redaction_patterns`): `redact` stores each as a typed
+    keys and bearer tokens, IP addresses, and `gateway.redaction_patterns`): `redact` stores each as a typed
     placeholder (`[EMAIL]`) and masks its tokens out of training; `detect` only counts them (per call and
     session, by type) and stores everything as sent; `off` runs no detector. Agents get real replies in
     every mode."""
@@ -334,43 +402,21 @@ class Config(BaseSettings):
     """Weights for dict-valued rewards; a component without a weight counts 1."""
     log_level: str = "INFO"
     """Logging level of the gateway."""
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    """The trainer (`serve --train` or `tracetrain train`)."""
     admission: Literal["auto", "none", "staleness"] = "auto"
     """`staleness` (training workloads): hold new sessions while the ready and in-flight sessions
-    already fill `admission_batches` training batches, so the trainer is not fed work it would drop as
-    stale. `none` (production agents): nothing is held; the trainer takes the freshest sessions.
+    already fill `gateway.admission_batches` training batches, so the trainer is not fed work it would drop
+    as stale. `none` (production agents): nothing is held; the trainer takes the freshest sessions.
     `auto`: `staleness` under `serve --train` in `async` mode; `none` in `sync` mode (holding
     generation while a batch trains already bounds staleness) and under `serve` (which cannot know
     whether a trainer elsewhere will ever publish, and must not hold agents for one)."""
     admission_batches: float = Field(default=1.0, gt=0)
-    """Batches of `train.batch_sessions` that may be ready or in flight under `admission: staleness`.
+    """Batches of `train.batch_sessions` that may be ready or in flight under `gateway.admission: staleness`.
     1 keeps the next batch generating while one trains; more keeps the engine busier, but the trainer
     takes the freshest sessions first, so what is beyond one batch ages and may go stale."""
     admission_wait_s: float = Field(default=120.0, ge=0)
     """How long a held new session waits for room before it is refused with 429 and `Retry-After`: long
     enough to cover a training step on most setups, so unchanged agents (the OpenAI SDK retries a 429
     twice) rarely see one, and well inside the SDKs' own request timeouts (600 s)."""
-
-    promotion: Literal["immediate", "canary"] = "immediate"
-    """`immediate`: every published version serves every request at once (the demo's setting).
-    `canary`: a new version first serves `canary_share` of *new* sessions next to the incumbent (a
-    session keeps the version it started on); it is promoted when its sessions' final rewards are not
-    worse than the incumbent's over the same period and rolled back when they are (proxy/promotion.py).
-    With LoRA both adapters are loaded in every vLLM; with full weights the canary takes a subset of the
-    replicas (two or more needed); the in-process engine holds both weight sets."""
-    canary_share: float = Field(default=0.2, gt=0, lt=1)
-    """Share of new sessions a canary version serves."""
-    canary_min_sessions: int = Field(default=20, ge=2)
-    """Rewarded sessions each arm needs before the canary can be decided."""
-    canary_max_sessions: int = Field(default=200, ge=2)
-    """Rewarded canary sessions at which an undecided canary is decided by its mean: promoted unless it
-    is worse than the incumbent by more than `canary_margin`."""
-    canary_margin: float = Field(default=0.05, ge=0)
-    """How much lower the canary's mean reward may be and still count as not worse (non-inferiority
-    margin, in reward units)."""
-    canary_alpha: float = Field(default=0.05, gt=0, lt=1)
-    """Error rate of the sequential test, valid however often it is evaluated."""
 
     @field_validator("redaction_patterns")
     @classmethod
@@ -384,176 +430,34 @@ class Config(BaseSettings):
                 raise ValueError(f"redaction pattern {name!r} is not a regular expression: {exc}") from exc
         return value
 
-    @field_validator("engine_url", mode="before")
+    @field_validator("cpus", mode="before")
     @classmethod
-    def _one_url(cls, value: Any) -> Any:
-        """One URL as a plain string (YAML, `TRACETRAIN_ENGINE_URL=http://…`) is a list of one."""
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [u for u in value.replace(",", " ").split() if u]
-        return value
+    def _cpu_list(cls, value: Any) -> Any:
+        return index_list("gateway.cpus", value)
 
-    @field_validator("gateway_cpus", "engine_gpus", mode="before")
-    @classmethod
-    def _index_list(cls, value: Any, info: ValidationInfo) -> Any:
-        return index_list(str(info.field_name), value)
-
-    @field_validator("gateway_cpus")
+    @field_validator("cpus")
     @classmethod
     def _cpus_exist(cls, value: list[int]) -> list[int]:
         if not value:
             return value
         if not hasattr(os, "sched_setaffinity"):
-            raise ValueError("gateway_cpus needs Linux (CPU affinity)")
+            raise ValueError("gateway.cpus needs Linux (CPU affinity)")
         if missing := sorted(set(value) - os.sched_getaffinity(0)):
-            raise ValueError(f"gateway_cpus: CPU {missing} is not available to this process "
+            raise ValueError(f"gateway.cpus: CPU {missing} is not available to this process "
                              f"(available: {sorted(os.sched_getaffinity(0))})")
         return sorted(set(value))
-
-    @field_validator("engine_url")
-    @classmethod
-    def _urls_parse(cls, value: list[str]) -> list[str]:
-        """Each URL in a form the engine can reach, checked here rather than at the first request."""
-        from tracetrain.engines.vllm_server import engine_address
-
-        for url in value:
-            engine_address(url)
-        return value
-
-    @model_validator(mode="after")
-    def _check_engines(self) -> Config:
-        if self.engine_url and self.replicas > 1:
-            raise ValueError("replicas starts vLLM servers here; with engine_url, list every server instead")
-        if self.engine == "transformers" and (self.replicas > 1 or self.engine_url):
-            raise ValueError("engine: transformers runs in-process; replicas and engine_url need engine: vllm")
-        if self.gateway_workers > 1 and self.engine == "transformers":
-            raise ValueError("gateway_workers > 1 needs engine: vllm (each worker would load its own model)")
-        if self.gateway_cpus and self.engine == "transformers":
-            raise ValueError("gateway_cpus confines the gateway's process, and engine: transformers generates in "
-                             "it: use engine: vllm, or leave gateway_cpus empty")
-        if self.gateway_workers > 1 and self.promotion == "canary" and self.publishes_full_weights():
-            raise ValueError("gateway_workers > 1 with promotion: canary needs LoRA publishing (train.lora and "
-                             "train.publish: lora): a full-weight canary's replicas are chosen by one process")
-        if self.promotion == "canary":
-            engines = len(self.engine_url) or self.replicas
-            if self.engine != "transformers" and self.publishes_full_weights() and engines == 1:
-                raise ValueError("promotion: canary with full weights needs two or more vLLM replicas (--replicas 2, "
-                                 "or several --engine-url): the canary is loaded into some of them while the rest "
-                                 "serve the incumbent. On one server, use LoRA publishing (train.lora and "
-                                 "train.publish: lora): both adapters then live in it")
-            if self.canary_max_sessions < self.canary_min_sessions:
-                raise ValueError(f"canary_max_sessions ({self.canary_max_sessions}) below canary_min_sessions "
-                                 f"({self.canary_min_sessions})")
-        if self.replica_spill_at > self.replica_max_outstanding:
-            raise ValueError(f"replica_spill_at ({self.replica_spill_at}) above replica_max_outstanding "
-                             f"({self.replica_max_outstanding}) would never spill")
-        return self
-
-    @model_validator(mode="after")
-    def _check_gpus(self) -> Config:
-        """Settings that name GPUs are checked against this machine's when the config loads; the defaults
-        are resolved by `gpu_plan` once the command knows whether it trains here."""
-        if self.engine_gpus and (self.engine_url or self.engine == "transformers"):
-            raise ValueError("engine_gpus places the vLLM servers this gateway starts; with engine_url or engine: "
-                             "transformers it starts none")
-        if self.engine_gpus or self.train.gpus or self.engine_sleep == "on":
-            self.gpu_plan(training_here=bool(self.train.gpus) or self.engine_sleep == "on")
-        return self
-
-    def gpu_plan(self, *, training_here: bool) -> GPUPlan:
-        """How vLLM's replicas and the trainer share this machine's GPUs (engines/gpus.py); ValueError
-        with a sentence when they cannot."""
-        from tracetrain.engines.gpus import plan_gpus, visible_gpus
-
-        starts_vllm = not self.engine_url and self.engine != "transformers"
-        on_gpu = training_here and self.train.device != "cpu" and not self.train.ray_address
-        return plan_gpus(visible=len(visible_gpus()), replicas=self.replicas if starts_vllm else 0,
-                         workers=self.train.workers if on_gpu else 0, engine_gpus=self.engine_gpus,
-                         trainer_gpus=self.train.gpus, mode=self.train.mode, memory_share=self.engine_memory_share,
-                         sleep=self.engine_sleep)
-
-    def publish_mode(self) -> Literal["lora", "reload", "inprocess", "none"]:
-        """How new weights reach the engine: `train.publish`, with `auto` decided here and nowhere else.
-        In-process swap for the transformers engine. For vLLM, full weights reloaded unless LoRA is
-        trained; a LoRA adapter is loaded as one when this machine has a CUDA device, when several gateway
-        processes share the servers (an adapter switch needs no drain of every process), or for a canary on
-        one server (only adapters let both versions live in it); otherwise it is merged and reloaded (vLLM
-        on CPU serves an adapter at about half the speed of plain weights)."""
-        if self.train.publish != "auto":
-            return self.train.publish
-        if self.engine == "transformers":
-            return "inprocess"
-        if not self.train.lora:
-            return "reload"
-        one_server = (len(self.engine_url) or self.replicas) == 1
-        if self.gateway_workers > 1 or (self.promotion == "canary" and one_server):
-            return "lora"
-        return "reload" if self.train.publishes_merged() else "lora"
-
-    def publishes_full_weights(self) -> bool:
-        return self.publish_mode() == "reload"
-
-    def settled(self, *, training_here: bool) -> Config:
-        """This config with every `auto` decided, once, as a command starts: the engine (vLLM when it is
-        installed), the GPU split and vLLM's memory share, sleep and dtype (`gpu_plan`), admission (held for
-        an async trainer in this process only), and the trainer's publish mode, backend and device. What
-        follows reads concrete values only. ValueError with a sentence when the GPU split cannot work."""
-        engine = self.engine
-        if engine == "auto":
-            engine = "vllm" if self.vllm_available() else "transformers"
-            if engine == "transformers":
-                log.warning("vLLM is not installed: falling back to the in-process transformers engine")
-        config = self.model_copy(update={"engine": engine})
-        plan = config.gpu_plan(training_here=training_here)
-        dtype = self.engine_dtype
-        if dtype == "auto":  # what engine_dtype's docstring promises
-            dtype = "bfloat16" if plan.engine or self.engine_url else "float32"
-        admission = self.admission
-        if admission == "auto":
-            admission = "staleness" if training_here and self.train.mode == "async" else "none"
-        train = {"gpus": plan.trainer, "publish": config.publish_mode(),
-                 "backend": "fsdp" if self.train.uses_fsdp else "local"}
-        if training_here and self.train.device == "auto":
-            train["device"] = "cuda" if cuda_here() else "cpu"
-        return config.model_copy(update={
-            "engine_gpus": plan.engine, "engine_memory_share": plan.memory_share,
-            "engine_sleep": "on" if plan.sleep else "off", "engine_dtype": dtype, "admission": admission,
-            "train": self.train.model_copy(update=train)})
-
-    def vllm_available(self) -> bool:
-        """A vLLM server to reach (`engine_url`) or a vLLM installation to start one with."""
-        from tracetrain.engines.vllm_server import find_vllm_python
-
-        return bool(self.engine_url) or (self.vllm_python or find_vllm_python()) is not None
-
-    @model_validator(mode="after")
-    def _check_admission(self) -> Config:
-        if self.admission != "none" and self.admission_batches > self.train.max_staleness + 1:
-            raise ValueError(f"admission_batches ({self.admission_batches:g}) above train.max_staleness + 1 "
-                             f"({self.train.max_staleness + 1}) admits sessions that can only go stale")
-        return self
-
-    @property
-    def admission_limit(self) -> int:
-        """Ready plus in-flight sessions above which `admission: staleness` holds new sessions."""
-        return max(1, round(self.admission_batches * self.train.batch_sessions))
 
     def agent_keys(self) -> list[str]:
         return [k if isinstance(k, str) else k.key for k in self.api_keys]
 
     def retention_by_key(self) -> dict[str, int | None]:
-        """Keys whose `retention_days` differs from the gateway's, with theirs (None: forever)."""
+        """Keys whose `retention_days` differs from `store.retention_days`, with theirs (None: forever)."""
         return {k.key: k.retention_days for k in self.api_keys
                 if isinstance(k, ApiKey) and "retention_days" in k.model_fields_set}
 
     def redaction_by_key(self) -> dict[str, Literal["off", "detect", "redact"]]:
         """Keys whose redaction mode is their own, with it."""
         return {k.key: k.redaction for k in self.api_keys if isinstance(k, ApiKey) and k.redaction is not None}
-
-    def retains(self) -> bool:
-        """Whether any session's content ever expires: a purge has something to do."""
-        return self.retention_days is not None or any(d is not None for d in self.retention_by_key().values())
 
     def untrained_keys(self) -> list[str]:
         """Keys whose sessions are never trained on."""
@@ -571,9 +475,254 @@ class Config(BaseSettings):
         """A gateway reachable from other machines must not run without keys."""
         if not self.is_loopback() and not (self.api_keys and self.admin_key):
             raise SystemExit(
-                f"refusing to bind {self.host}: set api_keys and admin_key (TRACETRAIN_API_KEYS, "
-                "TRACETRAIN_ADMIN_KEY) or bind 127.0.0.1"
+                f"refusing to bind {self.host}: set gateway.api_keys and gateway.admin_key "
+                "(TRACETRAIN_GATEWAY__API_KEYS, TRACETRAIN_GATEWAY__ADMIN_KEY) or bind 127.0.0.1"
             )
+
+
+class PromotionConfig(BaseModel):
+    """At once, or as a canary next to the incumbent, kept or rolled back by its sessions' rewards."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: Literal["immediate", "canary"] = "immediate"
+    """`immediate`: every published version serves every request at once (the demo's setting).
+    `canary`: a new version first serves `promotion.canary_share` of *new* sessions next to the incumbent
+    (a session keeps the version it started on); it is promoted when its sessions' final rewards are not
+    worse than the incumbent's over the same period and rolled back when they are (proxy/promotion.py).
+    With LoRA both adapters are loaded in every vLLM; with full weights the canary takes a subset of the
+    replicas (two or more needed); the in-process engine holds both weight sets."""
+    canary_share: float = Field(default=0.2, gt=0, lt=1)
+    """Share of new sessions a canary version serves."""
+    min_sessions: int = Field(default=20, ge=2)
+    """Rewarded sessions each arm needs before the canary can be decided."""
+    max_sessions: int = Field(default=200, ge=2)
+    """Rewarded canary sessions at which an undecided canary is decided by its mean: promoted unless it
+    is worse than the incumbent by more than `promotion.margin`."""
+    margin: float = Field(default=0.05, ge=0)
+    """How much lower the canary's mean reward may be and still count as not worse (non-inferiority
+    margin, in reward units)."""
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    """Error rate of the sequential test, valid however often it is evaluated."""
+
+    @model_validator(mode="after")
+    def _check_sessions(self) -> PromotionConfig:
+        if self.mode == "canary" and self.max_sessions < self.min_sessions:
+            raise ValueError(f"promotion.max_sessions ({self.max_sessions}) below promotion.min_sessions "
+                             f"({self.min_sessions})")
+        return self
+
+
+SECTIONS = ("engine", "store", "gateway", "train", "promotion")
+"""`Config`'s groups of settings, in the order the documentation shows them."""
+
+RENAMED: dict[str, str] = {
+    "host": "gateway.host", "port": "gateway.port", "engine": "engine.kind", "engine_url": "engine.urls",
+    "replicas": "engine.replicas", "gateway_workers": "gateway.workers", "gateway_cpus": "gateway.cpus",
+    "replica_routing": "engine.routing", "replica_spill_at": "engine.spill_at",
+    "replica_max_outstanding": "engine.max_outstanding", "replica_queue_wait_s": "engine.queue_wait_s",
+    "replica_queue_limit": "engine.queue_limit", "model": "engine.model",
+    "served_model_name": "engine.served_model_name", "vllm_python": "engine.vllm_python",
+    "vllm_listen": "engine.vllm_listen", "vllm_port": "engine.vllm_port", "vllm_args": "engine.vllm_args",
+    "engine_gpus": "engine.gpus", "engine_memory_share": "engine.memory_share", "engine_sleep": "engine.sleep",
+    "engine_dtype": "engine.dtype", "publish_probe": "engine.publish_probe",
+    "publish_probe_tolerance": "engine.publish_probe_tolerance", "engine_timeout_s": "engine.timeout_s",
+    "json_max_whitespace": "engine.json_max_whitespace", "db_url": "store.url",
+    "sqlite_synchronous": "store.sqlite_synchronous", "api_keys": "gateway.api_keys",
+    "admin_key": "gateway.admin_key", "metrics_key": "gateway.metrics_key", "redaction": "gateway.redaction",
+    "redaction_patterns": "gateway.redaction_patterns", "max_body_bytes": "gateway.max_body_bytes",
+    "chat_template": "gateway.chat_template", "default_max_tokens": "gateway.default_max_tokens",
+    "reward_weights": "gateway.reward_weights", "log_level": "gateway.log_level",
+    "admission": "gateway.admission", "admission_batches": "gateway.admission_batches",
+    "admission_wait_s": "gateway.admission_wait_s", "promotion": "promotion.mode",
+    "canary_share": "promotion.canary_share", "canary_min_sessions": "promotion.min_sessions",
+    "canary_max_sessions": "promotion.max_sessions", "canary_margin": "promotion.margin",
+    "canary_alpha": "promotion.alpha", "retention_days": "store.retention_days",
+    "retention_interval_s": "store.retention_interval_s",
+}
+"""Settings of the flat configuration before it was grouped, and where each is now: an old name in YAML, the
+environment or `--set` is refused with its new place (`renamed_hint`), never taken silently."""
+
+
+def env_var(path: str) -> str:
+    """The environment variable of a dotted setting: `engine.urls` is `TRACETRAIN_ENGINE__URLS`."""
+    return "TRACETRAIN_" + "__".join(path.split(".")).upper()
+
+
+def renamed_hint(names: list[str]) -> str:
+    """The sentence that refuses old flat names: where each one lives now, and how to spell it there."""
+    moves = "; ".join(f"{name} is now {RENAMED[name]} (in YAML under `{RENAMED[name].split('.')[0]}:`, "
+                      f"{env_var(RENAMED[name])}, --set {RENAMED[name]}=…)" for name in names)
+    return f"settings are grouped by concern ({', '.join(SECTIONS)}): {moves}"
+
+
+class _Environment(EnvSettingsSource):
+    """`TRACETRAIN_…` variables, with the old flat names passed on (not dropped as unknown) so that the config
+    refuses them with their new place."""
+
+    def __call__(self) -> dict[str, Any]:
+        values = super().__call__()
+        for name in RENAMED:
+            if name in SECTIONS or name == "vllm_python":  # TRACETRAIN_VLLM_PYTHON also names vLLM's Python
+                continue
+            value = self.env_vars.get(f"tracetrain_{name}")
+            if value is not None:
+                values[name] = value
+        return values
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        """`TRACETRAIN_ENGINE=vllm` was a setting of its own; now `engine` is a group, read as JSON. Such a
+        value is passed on as it is, for the config to refuse with its new name."""
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            if field_name in RENAMED:
+                return value
+            raise
+
+
+class Config(BaseSettings):
+    """Every setting, grouped by concern."""
+
+    model_config = SettingsConfigDict(env_prefix="TRACETRAIN_", env_nested_delimiter="__", extra="forbid",
+                                      use_attribute_docstrings=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest first: explicit values (CLI flags), environment, the YAML file given to `load_config`."""
+        return init_settings, _Environment(settings_cls), YamlConfigSettingsSource(settings_cls,
+                                                                                   yaml_file=_YAML_FILE.get())
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The inference engine: vLLM servers, or the in-process transformers engine."""
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    """Where sessions, calls, rewards and versions are kept."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The gateway agents and operators call."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The trainer (`serve --train` or `tracetrain train`)."""
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
+    """How a newly published version comes to serve."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_names(cls, data: Any) -> Any:
+        """An old flat name (`engine_url`, or `engine: vllm`) is refused with its new place."""
+        if isinstance(data, dict):
+            old = [name for name, value in data.items() if name in RENAMED
+                   and (name not in SECTIONS or not isinstance(value, dict | BaseModel))]
+            if old:
+                raise ValueError(renamed_hint(old))
+        return data
+
+    @model_validator(mode="after")
+    def _check_across(self) -> Config:
+        """Combinations of settings from different groups."""
+        engine, gateway = self.engine, self.gateway
+        if gateway.workers > 1 and engine.kind == "transformers":
+            raise ValueError("gateway.workers > 1 needs engine.kind: vllm (each worker would load its own model)")
+        if gateway.cpus and engine.kind == "transformers":
+            raise ValueError("gateway.cpus confines the gateway's process, and engine.kind: transformers generates "
+                             "in it: use engine.kind: vllm, or leave gateway.cpus empty")
+        if gateway.workers > 1 and self.promotion.mode == "canary" and self.publishes_full_weights():
+            raise ValueError("gateway.workers > 1 with promotion.mode: canary needs LoRA publishing (train.lora and "
+                             "train.publish: lora): a full-weight canary's replicas are chosen by one process")
+        if (self.promotion.mode == "canary" and engine.kind != "transformers" and self.publishes_full_weights()
+                and engine.servers == 1):
+            raise ValueError("promotion.mode: canary with full weights needs two or more vLLM replicas (--replicas 2, "
+                             "or several --engine-url): the canary is loaded into some of them while the rest "
+                             "serve the incumbent. On one server, use LoRA publishing (train.lora and "
+                             "train.publish: lora): both adapters then live in it")
+        if gateway.admission != "none" and gateway.admission_batches > self.train.max_staleness + 1:
+            raise ValueError(f"gateway.admission_batches ({gateway.admission_batches:g}) above "
+                             f"train.max_staleness + 1 ({self.train.max_staleness + 1}) admits sessions that can "
+                             "only go stale")
+        return self
+
+    @model_validator(mode="after")
+    def _check_gpus(self) -> Config:
+        """Settings that name GPUs are checked against this machine's when the config loads; the defaults
+        are resolved by `gpu_plan` once the command knows whether it trains here."""
+        if self.engine.gpus or self.train.gpus or self.engine.sleep == "on":
+            self.gpu_plan(training_here=bool(self.train.gpus) or self.engine.sleep == "on")
+        return self
+
+    def updated(self, **sections: dict[str, Any]) -> Config:
+        """This config with some fields of its groups replaced, unvalidated as `model_copy` is:
+        `config.updated(engine={"urls": urls}, gateway={"cpus": []})`."""
+        return self.model_copy(update={name: getattr(self, name).model_copy(update=fields)
+                                       for name, fields in sections.items()})
+
+    def gpu_plan(self, *, training_here: bool) -> GPUPlan:
+        """How vLLM's replicas and the trainer share this machine's GPUs (engines/gpus.py); ValueError
+        with a sentence when they cannot."""
+        from tracetrain.engines.gpus import plan_gpus, visible_gpus
+
+        on_gpu = training_here and self.train.device != "cpu" and not self.train.ray_address
+        return plan_gpus(visible=len(visible_gpus()), replicas=self.engine.replicas if self.engine.starts_vllm() else 0,
+                         workers=self.train.workers if on_gpu else 0, engine_gpus=self.engine.gpus,
+                         trainer_gpus=self.train.gpus, mode=self.train.mode, memory_share=self.engine.memory_share,
+                         sleep=self.engine.sleep)
+
+    def publish_mode(self) -> Literal["lora", "reload", "inprocess", "none"]:
+        """How new weights reach the engine: `train.publish`, with `auto` decided here and nowhere else.
+        In-process swap for the transformers engine. For vLLM, full weights reloaded unless LoRA is
+        trained; a LoRA adapter is loaded as one when this machine has a CUDA device, when several gateway
+        processes share the servers (an adapter switch needs no drain of every process), or for a canary on
+        one server (only adapters let both versions live in it); otherwise it is merged and reloaded (vLLM
+        on CPU serves an adapter at about half the speed of plain weights)."""
+        if self.train.publish != "auto":
+            return self.train.publish
+        if self.engine.kind == "transformers":
+            return "inprocess"
+        if not self.train.lora:
+            return "reload"
+        if self.gateway.workers > 1 or (self.promotion.mode == "canary" and self.engine.servers == 1):
+            return "lora"
+        return "reload" if self.train.publishes_merged() else "lora"
+
+    def publishes_full_weights(self) -> bool:
+        return self.publish_mode() == "reload"
+
+    def settled(self, *, training_here: bool) -> Config:
+        """This config with every `auto` decided, once, as a command starts: the engine (vLLM when it is
+        installed), the GPU split and vLLM's memory share, sleep and dtype (`gpu_plan`), admission (held for
+        an async trainer in this process only), and the trainer's publish mode, backend and device. What
+        follows reads concrete values only. ValueError with a sentence when the GPU split cannot work."""
+        kind = self.engine.kind
+        if kind == "auto":
+            kind = "vllm" if self.engine.vllm_available() else "transformers"
+            if kind == "transformers":
+                log.warning("vLLM is not installed: falling back to the in-process transformers engine")
+        config = self.updated(engine={"kind": kind})
+        plan = config.gpu_plan(training_here=training_here)
+        dtype = self.engine.dtype
+        if dtype == "auto":  # what engine.dtype's docstring promises
+            dtype = "bfloat16" if plan.engine or self.engine.urls else "float32"
+        admission = self.gateway.admission
+        if admission == "auto":
+            admission = "staleness" if training_here and self.train.mode == "async" else "none"
+        train: dict[str, Any] = {"gpus": plan.trainer, "publish": config.publish_mode(),
+                                 "backend": "fsdp" if self.train.uses_fsdp else "local"}
+        if training_here and self.train.device == "auto":
+            train["device"] = "cuda" if cuda_here() else "cpu"
+        return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
+                                      "sleep": "on" if plan.sleep else "off", "dtype": dtype},
+                              gateway={"admission": admission}, train=train)
+
+    def retains(self) -> bool:
+        """Whether any session's content ever expires: a purge has something to do."""
+        return self.store.retention_days is not None or any(
+            d is not None for d in self.gateway.retention_by_key().values())
+
+    @property
+    def admission_limit(self) -> int:
+        """Ready plus in-flight sessions above which `gateway.admission: staleness` holds new sessions."""
+        return max(1, round(self.gateway.admission_batches * self.train.batch_sessions))
 
 
 _YAML_FILE: ContextVar[Path | None] = ContextVar("tracetrain_yaml_file", default=None)
@@ -618,24 +767,38 @@ def load_config(yaml_path: Path | None = None, **overrides: Any) -> Config:
         _YAML_FILE.reset(token)
 
 
+def groups() -> dict[str, type[BaseModel]]:
+    """`Config`'s groups of settings and their models (`engine`: `EngineConfig`), in `SECTIONS` order."""
+    found = {name: field.annotation for name, field in Config.model_fields.items()}
+    return {name: model for name in SECTIONS
+            if isinstance(model := found.get(name), type) and issubclass(model, BaseModel)}
+
+
+def setting_field(path: str) -> FieldInfo:
+    """The field of a dotted setting (`engine.kind`); KeyError for one that does not exist."""
+    group, name = path.split(".")
+    return groups()[group].model_fields[name]
+
+
 def parse_set(assignments: list[str]) -> dict[str, Any]:
-    """`--set` flags, the same keys in every subcommand: dotted for nested fields (`train.lr=1e-4`), and a
-    bare name that only the trainer has stands for its `train.` key (`lr=1e-4`). Values parse as YAML.
-    Unknown names are refused here, before any work."""
+    """`--set` flags, the same keys in every subcommand: a group and a setting (`engine.kind=vllm`,
+    `train.lr=1e-4`), and a bare name that only the trainer has stands for its `train.` key (`lr=1e-4`).
+    Values parse as YAML. Unknown names are refused here, before any work; an old flat name with its new
+    place."""
     result: dict[str, Any] = {}
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set needs KEY=VALUE, got {assignment!r}")
         path = key.split(".")
-        if len(path) == 1 and key not in Config.model_fields and key in TrainConfig.model_fields:
+        if len(path) == 1 and key in TrainConfig.model_fields:
             path = ["train", key]
-        known = Config.model_fields if path[0] != "train" or len(path) == 1 else TrainConfig.model_fields
-        if path[-1] not in known or len(path) > 2 or (len(path) == 2 and path[0] != "train"):
-            raise SystemExit(f"--set {key}: no such setting (gateway settings: {', '.join(Config.model_fields)}; "
-                             f"trainer settings, bare or as train.NAME: {', '.join(TrainConfig.model_fields)})")
-        node = result
-        for parent in path[:-1]:
-            node = node.setdefault(parent, {})
-        node[path[-1]] = yaml.safe_load(raw)
+        elif len(path) == 1 and key in RENAMED:
+            raise SystemExit(f"--set {key}: {renamed_hint([key])}")
+        model = groups().get(path[0])
+        if len(path) != 2 or model is None or path[1] not in model.model_fields:
+            known = "; ".join(f"{name}.{{{', '.join(group.model_fields)}}}" for name, group in groups().items())
+            raise SystemExit(f"--set {key}: no such setting (a group and a setting: {known}; a bare name only "
+                             "the trainer has stands for train.NAME)")
+        result.setdefault(path[0], {})[path[1]] = yaml.safe_load(raw)
     return result

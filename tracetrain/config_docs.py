@@ -2,11 +2,11 @@
 
     python -m tracetrain.config_docs > docs/configuration.md
 
-Each field of `Config` (the gateway) and of every nested settings model (`train`: `TrainConfig`) becomes one
-row: name, type, default, environment variable and the field's docstring. A field's text is its pydantic
-`description` when it has one (an explicit `Field(description=…)`, or `use_attribute_docstrings`), else the
-string literal right after the field in the class source, read with `ast`. New fields need nothing here;
-tests/unit/test_config_docs.py fails until the page is regenerated.
+Each group of `Config` (`engine`: `EngineConfig`, `store`, `gateway`, `train`, `promotion`) becomes one
+table, and each of its fields one row: name, type, default, environment variable and the field's docstring.
+A field's text is its pydantic `description` when it has one (an explicit `Field(description=…)`, or
+`use_attribute_docstrings`), else the string literal right after the field in the class source, read with
+`ast`. New fields need nothing here; tests/unit/test_config_docs.py fails until the page is regenerated.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import NoDecode
 
-from tracetrain.config import Config
+from tracetrain.config import RENAMED, Config, groups
 
 COMMAND = "python -m tracetrain.config_docs > docs/configuration.md"
 """How the page is regenerated, run from the repository root with the project's environment."""
@@ -136,7 +136,7 @@ def _is_complex(annotation: Any) -> bool:
 
 
 def env_name(name: str, field: FieldInfo, parents: tuple[str, ...] = ()) -> str:
-    """The environment variable of a field: `TRACETRAIN_DB_URL`, nested `TRACETRAIN_TRAIN__LR`."""
+    """The environment variable of a field: `TRACETRAIN_STORE__URL`, `TRACETRAIN_TRAIN__LR`."""
     settings = Config.model_config
     prefix = str(settings.get("env_prefix") or "")
     delimiter = settings.get("env_nested_delimiter")
@@ -181,11 +181,10 @@ def _rows(model: type[BaseModel], parents: tuple[str, ...] = ()) -> list[str]:
 
 
 def render_configuration_markdown() -> str:
-    """The whole page: an introduction, the gateway's settings, then each nested group (the trainer's)."""
-    gateway_docs = field_docstrings(Config)
-    nested = [(name, model) for name, field in Config.model_fields.items()
-              if (model := _nested_model(field)) is not None]
-    plain = [name for name, field in Config.model_fields.items() if _plain_text_env(field)]
+    """The whole page: an introduction, one table per group of settings, then the old flat names."""
+    config_docs = field_docstrings(Config)
+    plain = [f"{name}.{field_name}" for name, model in groups().items()
+             for field_name, field in model.model_fields.items() if _plain_text_env(field)]
     lines = [
         "# Configuration",
         "",
@@ -193,24 +192,26 @@ def render_configuration_markdown() -> str:
         "",
         "Every setting comes from, in rising precedence: its default, the YAML file given with `--config`, "
         "a `TRACETRAIN_…` environment variable, and the command line (a named flag, or `--set KEY=VALUE`). "
-        "Nested settings sit under their group in YAML (`train:` then `lr: 1.0e-4`), use a double underscore "
-        "in the environment (`TRACETRAIN_TRAIN__LR`), and are set with `--set train.lr=1e-4` (or `--set "
+        "Settings are grouped by concern: " + _words([f"`{name}`" for name in groups()]) + ". A setting "
+        "sits under its group in YAML (`engine:` then `kind: vllm`), uses a double underscore in the "
+        "environment (`TRACETRAIN_ENGINE__KIND`), and is set with `--set engine.kind=vllm` (or `--set "
         "lr=1e-4` for a name only the trainer has). An unknown key or a bad combination is refused before "
         "anything starts.",
         "",
         "Defaults are shown as YAML values. Environment values of lists, dicts and groups are JSON "
-        "(`TRACETRAIN_API_KEYS='[\"k1\", \"k2\"]'`)"
-        + (f"; {_words([f'`{n}`' for n in plain])} {'takes' if len(plain) == 1 else 'take'} plain text instead."
-           if plain else ".")
+        "(`TRACETRAIN_GATEWAY__API_KEYS='[\"k1\", \"k2\"]'`)"
+        + (f"; {_words([f'`{n}`' for n in plain])} {'takes' if len(plain) == 1 else 'take'} plain text instead "
+           "(`TRACETRAIN_ENGINE__URLS=http://a:8000,http://b:8000`)." if plain else ".")
         + " See [operations](operations.md) for how the settings fit together.",
-        "",
-        "## Gateway",
-        "",
-        *_rows(Config),
     ]
-    for name, model in nested:
-        intro = [text for text in (gateway_docs.get(name), inspect.cleandoc(model.__doc__ or "")) if text]
+    for name, model in groups().items():
+        intro = [text for text in (config_docs.get(name), inspect.cleandoc(model.__doc__ or "")) if text]
         lines += ["", f"## `{name}`", "", *(f"{_cell(text)}\n" for text in intro), *_rows(model, (name,))]
+    lines += ["", "## Old names", "",
+              "Before the settings were grouped they were flat. An old name in the YAML file, the environment or "
+              "`--set` is refused with its new place:", "",
+              "| old name | setting |", "| --- | --- |",
+              *(f"| `{old}` | `{new}` |" for old, new in RENAMED.items())]
     return "\n".join(lines) + "\n"
 
 

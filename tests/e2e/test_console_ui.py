@@ -89,7 +89,8 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
     """A gateway with an admin and two agent keys, a trainer on its store, and recorded sessions."""
     tmp = tmp_path_factory.mktemp("console")
     gw = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp / 'console.db'}",
-                       publisher=InProcessPublisher(tiny_engine), api_keys=[AGENT_A, AGENT_B], admin_key=ADMIN_KEY)
+                       publisher=InProcessPublisher(tiny_engine),
+                       gateway={"api_keys": [AGENT_A, AGENT_B], "admin_key": ADMIN_KEY})
 
     def publish(version: int, path: Path, kind: str) -> None:  # as a trainer in its own process does
         response = httpx.post(f"{gw.url}/v1/policies", headers=_auth(ADMIN_KEY), timeout=120,
@@ -98,7 +99,7 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
 
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, max_staleness=100,
                       checkpoint_dir=tmp / "ckpt")
-    trainer = Trainer(cfg, make_engine(gw.gateway.config.db_url), tiny_model_path, publish=publish)
+    trainer = Trainer(cfg, make_engine(gw.gateway.config.store.url), tiny_model_path, publish=publish)
     console = Console(gw, trainer)
     # agent-a: a group of arithmetic episodes (one of them two turns long), one about zebras, one still open
     console.episode(AGENT_A, "sum-1", "sums", 1.0, "What is 2 + 3?", "And 4 + 4?")

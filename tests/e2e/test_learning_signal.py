@@ -73,7 +73,7 @@ def signal_gateway(digit_model_path: Path, tmp_path: Path) -> Iterator[RunningGa
     # Redaction off: the model writes 16 random digits, and about one such string in fifty passes the card
     # detector (issuer prefix, length and Luhn), which would mask a whole reply out of the task's figure.
     running = start_gateway(engine, tiny_model_path, db_url, publisher=InProcessPublisher(engine), services=[trainer],
-                            redaction="off")
+                            gateway={"redaction": "off"})
     running.trainer = running.gateway.services[0]  # type: ignore[attr-defined]
     yield running
     running.stop()

@@ -20,7 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
-from tracetrain.config import Config
+from tracetrain.config import Config, GatewayConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 
 MODEL = "tiny"
@@ -39,8 +39,7 @@ def keyed(
         RecordingEngine(tiny_engine),
         tiny_model_path,
         db_url,
-        api_keys=["agent-a", "agent-b"],
-        admin_key="admin",
+        gateway={"api_keys": ["agent-a", "agent-b"], "admin_key": "admin"},
     )
     yield running
     running.stop()
@@ -195,14 +194,14 @@ def test_without_keys_loopback_is_open(gateway: RunningGateway) -> None:
 
 def test_non_loopback_host_requires_keys() -> None:
     with pytest.raises(SystemExit) as refused:
-        Config(host="0.0.0.0").check_access()
-    assert "api_keys" in str(refused.value) and "admin_key" in str(refused.value)
+        Config(gateway={"host": "0.0.0.0"}).gateway.check_access()
+    assert "gateway.api_keys" in str(refused.value) and "gateway.admin_key" in str(refused.value)
     with pytest.raises(SystemExit):
-        Config(host="0.0.0.0", api_keys=["a"]).check_access()  # agent keys without an admin key
-    Config(host="0.0.0.0", api_keys=["a"], admin_key="admin").check_access()
-    Config(host="127.0.0.1").check_access()
-    Config(host="localhost").check_access()
-    Config(host="::1").check_access()
+        GatewayConfig(host="0.0.0.0", api_keys=["a"]).check_access()  # agent keys without an admin key
+    GatewayConfig(host="0.0.0.0", api_keys=["a"], admin_key="admin").check_access()
+    GatewayConfig(host="127.0.0.1").check_access()
+    GatewayConfig(host="localhost").check_access()
+    GatewayConfig(host="::1").check_access()
 
 
 def test_cli_refuses_a_public_host_without_keys(tmp_path: Path) -> None:
@@ -216,7 +215,7 @@ def test_cli_refuses_a_public_host_without_keys(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode != 0
-    assert "refusing to bind 0.0.0.0" in result.stderr and "TRACETRAIN_API_KEYS" in result.stderr
+    assert "refusing to bind 0.0.0.0" in result.stderr and "TRACETRAIN_GATEWAY__API_KEYS" in result.stderr
     imported = {
         line.rsplit("|", 1)[-1].strip()
         for line in result.stderr.splitlines()
@@ -250,7 +249,7 @@ def test_anthropic_clients_authenticate_with_x_api_key(keyed: RunningGateway) ->
 def test_metrics_are_as_open_as_the_metrics_key_setting(tiny_engine: TransformersEngine, tiny_model_path: Path,
                                                         tmp_path: Path, setting: str, allowed: dict[str, int]) -> None:
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}",
-                            api_keys=["agent-a"], admin_key="admin", metrics_key=setting)
+                            gateway={"api_keys": ["agent-a"], "admin_key": "admin", "metrics_key": setting})
     try:
         for who, headers in (("no key", {}), ("agent", AGENT_A), ("admin", ADMIN)):
             response = httpx.get(f"{running.url}/metrics", headers=headers, timeout=30)

@@ -24,8 +24,9 @@ from tracetrain.store.db import make_engine
 
 @pytest.fixture
 def admitting(tiny_engine: Any, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
-    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'adm.db'}", admission="staleness",
-                            admission_wait_s=1.0, train=TrainConfig(batch_sessions=2, min_sessions=1))
+    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'adm.db'}",
+                            gateway={"admission": "staleness", "admission_wait_s": 1.0},
+                            train=TrainConfig(batch_sessions=2, min_sessions=1))
     yield running
     running.stop()
 
@@ -49,7 +50,7 @@ def test_new_sessions_wait_for_the_trainer_and_running_ones_never_do(admitting: 
     began = time.monotonic()
     with pytest.raises(openai.RateLimitError) as refused:
         _ask(gw, "s3", "gc")
-    assert time.monotonic() - began >= 1.0, "held for admission_wait_s before refusing"
+    assert time.monotonic() - began >= 1.0, "held for gateway.admission_wait_s before refusing"
     assert refused.value.status_code == 429
     assert int(refused.value.response.headers["retry-after"]) >= 1
     assert refused.value.response.json()["error"]["code"] == "admission_full"
@@ -69,7 +70,7 @@ def test_new_sessions_wait_for_the_trainer_and_running_ones_never_do(admitting: 
     time.sleep(1.0)
     assert held.is_alive(), "held while the trainer has not claimed anything"
     # A trainer in another process claims through the store; the gateway sees it on its next look.
-    with Session(make_engine(gw.gateway.config.db_url)) as db:
+    with Session(make_engine(gw.gateway.config.store.url)) as db:
         claimed_at = time.monotonic()
         assert len(leases.claim_groups(db, trainer_id="elsewhere", want=2, lease_s=60, min_version=None,
                                        settle_s=30)) >= 2

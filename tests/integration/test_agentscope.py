@@ -72,7 +72,7 @@ def _engine(gw: RunningGateway) -> RecordingEngine:
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
 async def test_agent_with_a_search_tool_is_one_exact_trajectory(vllm_gateway: RunningGateway, stream: bool) -> None:
-    model_name = vllm_gateway.gateway.config.served_model_name
+    model_name = vllm_gateway.gateway.config.engine.served_model_name
     queries: list[str] = []
     async with AgentScopeSession(vllm_gateway.url, session_id=f"as-search-{stream}", group_id="dune") as s:
         model = s.chat_model(model_name, stream=stream,
@@ -129,8 +129,9 @@ def test_agentscope_search_example_records_each_episode(vllm_gateway: RunningGat
     """The example runs as a user would run it (streamed, sampling at temperature 1 after the forced search)."""
     out = tmp_path / "episodes.jsonl"
     subprocess.run([sys.executable, str(REPO / "examples/agents/agentscope_search/agent.py"), "--gateway",
-                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.served_model_name, "--episodes", "2",
-                    "--group-size", "2", "--max-iters", "2", "--out", str(out)], check=True, timeout=600)
+                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.engine.served_model_name,
+                    "--episodes", "2", "--group-size", "2", "--max-iters", "2", "--out", str(out)],
+                   check=True, timeout=600)
     episodes = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(episodes) == 2
     produced = {tuple(g.prompt_ids + g.token_ids) for g in _engine(vllm_gateway).generations}

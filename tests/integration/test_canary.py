@@ -41,7 +41,7 @@ def canary_gateway(tool_model_path: Path, tmp_path: Path) -> Iterator[RunningGat
     engine = TransformersEngine(tool_model_path, model_name="tool-tiny")
     running = start_gateway(engine, tool_model_path, f"sqlite:///{tmp_path / 'canary.db'}",
                             publisher=InProcessPublisher(engine),
-                            promotion="canary", canary_share=SHARE, canary_min_sessions=6, canary_margin=0.1)
+                            promotion={"mode": "canary", "canary_share": SHARE, "min_sessions": 6, "margin": 0.1})
     yield running
     running.stop()
 
@@ -125,7 +125,7 @@ def test_a_broken_version_is_rolled_back_and_only_its_share_saw_it(canary_gatewa
         "temperature": 0, "max_tokens": 40})
     assert again.headers["X-Policy-Version"] == "0"
     # Its sessions are kept but set aside from training.
-    with Session(make_engine(canary_gateway.gateway.config.db_url)) as db:
+    with Session(make_engine(canary_gateway.gateway.config.store.url)) as db:
         rows = db.exec(select(AgentSession.id, AgentSession.skip_reason, AgentSession.policy_version)).all()
     assert {sid for sid, reason, v in rows if v == 1} == {s for s, (v, _) in served.items() if v == 1}
     assert all(reason == "rolled_back" for _, reason, v in rows if v == 1)
@@ -168,8 +168,8 @@ def _serve(model: Path, db_url: str, log: Path) -> tuple[subprocess.Popen[bytes]
     port = free_port()
     command = [sys.executable, "-m", "tracetrain.cli", "serve", "--engine", "transformers", "--model", str(model),
                "--served-model-name", "tool-tiny", "--db-url", db_url, "--port", str(port),
-               "--set", "promotion=canary", "--set", f"canary_share={SHARE}", "--set", "canary_min_sessions=6",
-               "--set", "canary_margin=0.1"]
+               "--set", "promotion.mode=canary", "--set", f"promotion.canary_share={SHARE}",
+               "--set", "promotion.min_sessions=6", "--set", "promotion.margin=0.1"]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -26,7 +26,7 @@ AGENT, SHY, ADMIN = "agent-key", "no-train-key", "admin-key"
 def keyed(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     # Wrapped: the gateway closes its engine when it stops, and the module's engine serves the next test.
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'gw.db'}",
-                            api_keys=[AGENT, {"key": SHY, "train": False}], admin_key=ADMIN)
+                            gateway={"api_keys": [AGENT, {"key": SHY, "train": False}], "admin_key": ADMIN})
     yield running
     running.stop()
 
@@ -99,9 +99,9 @@ def test_a_bad_x_train_header_is_refused_and_records_nothing(keyed: RunningGatew
                                    {"train": False}])
 def test_a_bad_key_entry_is_refused_when_the_config_loads(entry: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
-        Config.model_validate({"api_keys": [entry]})
+        Config.model_validate({"gateway": {"api_keys": [entry]}})
 
 
 def test_key_entries_may_be_strings_or_objects() -> None:
-    config = Config.model_validate({"api_keys": ["a", {"key": "b", "train": False}, {"key": "c"}]})
-    assert config.agent_keys() == ["a", "b", "c"] and config.untrained_keys() == ["b"]
+    config = Config.model_validate({"gateway": {"api_keys": ["a", {"key": "b", "train": False}, {"key": "c"}]}})
+    assert config.gateway.agent_keys() == ["a", "b", "c"] and config.gateway.untrained_keys() == ["b"]

@@ -46,7 +46,7 @@ AGENT_B = {"Authorization": "Bearer agent-b"}
 @pytest.fixture
 def keyed(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'console.db'}",
-                            api_keys=["agent-a", "agent-b"], admin_key="admin")
+                            gateway={"api_keys": ["agent-a", "agent-b"], "admin_key": "admin"})
     yield running
     running.stop()
 
@@ -162,7 +162,7 @@ def test_an_admin_clears_a_reward_override_and_the_posted_rewards_count_again(ke
     assert _post(keyed, "/v1/rewards", {"session_id": "o-1", "reward": 0.25}, AGENT_A).status_code == 200
     session = _get(keyed, "/v1/sessions/o-1", AGENT_A).json()
     assert (session["reward"], session["reward_override"], session["reward_total"]) == (1.75, None, 1.75)
-    with Session(make_engine(keyed.gateway.config.db_url)) as db:
+    with Session(make_engine(keyed.gateway.config.store.url)) as db:
         assert {x.reward for x in load_samples(db, ["o-1"])} == {1.75}
     listed = _get(keyed, "/v1/sessions", ADMIN, reward_min=1.7).json()["data"]
     assert [s["id"] for s in listed] == ["o-1"], "the list filters on the posted rewards again"
@@ -198,7 +198,7 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
     policies = _get(gateway, "/v1/policies").json()["sessions"]
     assert policies == {"ready": 4, "leased": 0, "set_aside": {"excluded": 1}}
 
-    engine = make_engine(gateway.gateway.config.db_url)
+    engine = make_engine(gateway.gateway.config.store.url)
     with Session(engine) as db:
         by_session = {x.session_id: x.reward for x in load_samples(db, list(rewards))}
     assert by_session == {"a0": 1.0, "a1": 0.0, "b0": 0.0, "b1": 1.0, "b2": 1.0}, "the override is the reward"
@@ -435,9 +435,9 @@ def test_downgrading_from_batched_indexing_indexes_what_was_pending(tmp_path: Pa
 
 def test_the_gateway_indexes_its_calls_in_the_background(gateway: RunningGateway) -> None:
     client = OpenAI(base_url=gateway.v1("indexed"), api_key="unused")
-    client.chat.completions.create(model=gateway.gateway.config.served_model_name, max_tokens=4,
+    client.chat.completions.create(model=gateway.gateway.config.engine.served_model_name, max_tokens=4,
                                    messages=[{"role": "user", "content": "Say Numbat."}])
-    engine = make_engine(gateway.gateway.config.db_url)
+    engine = make_engine(gateway.gateway.config.store.url)
     deadline = time.monotonic() + 10
     with engine.connect() as connection:
         while connection.execute(sql("SELECT count(*) FROM call_search_rows")).one() != (1,):

@@ -30,7 +30,7 @@ AGENT = {"Authorization": "Bearer agent-a"}
 @pytest.fixture
 def keyed(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'pages.db'}",
-                            api_keys=["agent-a"], admin_key="admin")
+                            gateway={"api_keys": ["agent-a"], "admin_key": "admin"})
     yield running
     running.stop()
 

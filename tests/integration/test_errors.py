@@ -86,10 +86,10 @@ def _record(gw: RunningGateway, session: str) -> Recorded:
     return Recorded(gw, session, before)
 
 
-def _start(engine: Any, tiny_model_path: Path, db_url: str, **config: Any) -> RunningGateway:
+def _start(engine: Any, tiny_model_path: Path, db_url: str, **engine_settings: Any) -> RunningGateway:
     if isinstance(engine, TransformersEngine):
         engine = RecordingEngine(engine)  # its close() leaves the module's engine open when a gateway stops
-    return start_gateway(engine, tiny_model_path, db_url, max_body_bytes=LIMIT, **config)
+    return start_gateway(engine, tiny_model_path, db_url, gateway={"max_body_bytes": LIMIT}, engine=engine_settings)
 
 
 @pytest.fixture(scope="module")
@@ -376,12 +376,12 @@ def restart_on(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path:
     (the gateway restarted while its engine is down or hung)."""
     started: list[RunningGateway] = []
 
-    def restart(engine: VLLMEngine, **config: Any) -> Recorded:
+    def restart(engine: VLLMEngine, **engine_settings: Any) -> Recorded:
         db_url = f"sqlite:///{tmp_path / 'broken.db'}"
         working = _start(tiny_engine, tiny_model_path, db_url)
         rec = _record(working, "keep")
         working.stop()
-        started.append(_start(engine, tiny_model_path, db_url, **config))
+        started.append(_start(engine, tiny_model_path, db_url, **engine_settings))
         return Recorded(started[-1], rec.session, rec.before)
 
     yield restart
@@ -404,7 +404,7 @@ def test_engine_down_is_503(restart_on: Restart, stream: bool) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_timeout_is_504(restart_on: Restart, hung_engine_url: str, stream: bool) -> None:
-    rec = restart_on(VLLMEngine(hung_engine_url, model_name=MODEL), engine_timeout_s=0.5)
+    rec = restart_on(VLLMEngine(hung_engine_url, model_name=MODEL), timeout_s=0.5)
     response = httpx.post(rec.chat_url, json=_chat(stream=stream), timeout=30)
     _assert_error(response, 504, "engine_timeout")
     rec.assert_intact()

@@ -466,7 +466,7 @@ def start_trainer(model: Path, db_url: str, gateway_url: str, checkpoints: Path,
     8 sessions a step, a short lease."""
     settings = {"train.mode": "sync", "train.lora": "false", "train.lr": "1e-3", "train.batch_sessions": "8",
                 "train.min_sessions": "8", "train.lease_s": str(LEASE_S), "train.poll_s": "0.25",
-                "train.max_staleness": "100", "train.checkpoint_dir": str(checkpoints), "log_level": "INFO"}
+                "train.max_staleness": "100", "train.checkpoint_dir": str(checkpoints), "gateway.log_level": "INFO"}
     command = [sys.executable, "-m", "tracetrain.cli", "train", "--db-url", db_url, "--model", str(model),
                "--gateway-url", gateway_url]
     for key, value in settings.items():

@@ -67,7 +67,7 @@ def tiny_engine(tiny_model_path: Path) -> TransformersEngine:
 @pytest.fixture
 def fuzz_gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'fuzz.db'}",
-                            default_max_tokens=MAX_TOKENS)
+                            gateway={"default_max_tokens": MAX_TOKENS})
     yield running
     running.stop()
 
@@ -309,7 +309,7 @@ def test_every_operation_keeps_its_documented_contract(fuzz_gateway: RunningGate
 def keyed_gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     """The same gateway with an agent key and an admin key configured (see test_access.py)."""
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'keyed.db'}",
-                            api_keys=[AGENT_KEY], admin_key=ADMIN_KEY, default_max_tokens=MAX_TOKENS)
+                            gateway={"api_keys": [AGENT_KEY], "admin_key": ADMIN_KEY, "default_max_tokens": MAX_TOKENS})
     yield running
     running.stop()
 

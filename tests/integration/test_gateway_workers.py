@@ -105,7 +105,7 @@ def test_a_version_published_through_one_worker_reaches_every_worker(
 
 def test_workers_refuse_what_they_cannot_keep_consistent(tmp_path: Path) -> None:
     for extra, words in ((["--train"], "own process"),
-                        (["--set", "promotion=canary", "--set", "train.publish=reload"], "LoRA publishing")):
+                        (["--set", "promotion.mode=canary", "--set", "train.publish=reload"], "LoRA publishing")):
         result = subprocess.run([sys.executable, "-m", "tracetrain.cli", "serve", "--workers", "2",
                                  "--engine-url", "http://127.0.0.1:9", "--db-url", f"sqlite:///{tmp_path / 's.db'}",
                                  *extra], capture_output=True, text=True, timeout=120)

@@ -54,7 +54,7 @@ def _generations(gw: RunningGateway, turns: int) -> list[Generation]:
 
 @pytest.mark.vllm
 def test_langchain_tool_loop_through_vllm_is_one_exact_trajectory(vllm_gateway: RunningGateway) -> None:
-    model = vllm_gateway.gateway.config.served_model_name
+    model = vllm_gateway.gateway.config.engine.served_model_name
     with LangChainSession(vllm_gateway.url, session_id="lc-calc", group_id="mul-17-23") as s:
         llm = s.chat_model(model, temperature=0, max_tokens=128)
         messages: list[BaseMessage] = [SystemMessage("Use the calculator for arithmetic."),

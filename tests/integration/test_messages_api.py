@@ -186,8 +186,8 @@ def test_anthropic_tools_example_records_each_episode_as_one_trajectory(vllm_gat
     """The example runs as a user would run it, on vLLM: a forced tool_use, its tool_result, an answer."""
     out = tmp_path / "episodes.jsonl"
     subprocess.run([sys.executable, str(REPO / "examples/agents/anthropic_tools/agent.py"), "--gateway",
-                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.served_model_name, "--episodes", "2",
-                    "--group-size", "2", "--out", str(out)], check=True, timeout=600)
+                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.engine.served_model_name,
+                    "--episodes", "2", "--group-size", "2", "--out", str(out)], check=True, timeout=600)
     episodes = [json.loads(line) for line in out.read_text().splitlines()]
     engine = vllm_gateway.gateway.engine
     assert isinstance(engine, RecordingEngine) and len(episodes) == 2

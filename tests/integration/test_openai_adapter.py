@@ -56,7 +56,7 @@ def test_text_game_records_whole_games_and_discounts_the_late_reward(vllm_gatewa
     engine's, with the end-of-game reward on the last call, discounted back over the turns."""
     out = tmp_path / "games.jsonl"
     subprocess.run([sys.executable, str(REPO / "examples/agents/text_game/agent.py"), "--gateway", vllm_gateway.url,
-                    "--model", vllm_gateway.gateway.config.served_model_name, "--episodes", "4",
+                    "--model", vllm_gateway.gateway.config.engine.served_model_name, "--episodes", "4",
                     "--group-size", "2", "--max-turns", "4", "--reward-delay", "0.5", "--out", str(out)],
                    check=True, timeout=600)
     games = [json.loads(line) for line in out.read_text().splitlines()]

@@ -68,7 +68,7 @@ def test_agents_example_records_each_episode_as_one_trajectory(vllm_gateway: Run
     """The example runs as a user would run it, on vLLM: a forced tool call, its result, an answer."""
     out = tmp_path / "episodes.jsonl"
     subprocess.run([sys.executable, str(REPO / "examples/agents/openai_agents/agent.py"), "--gateway",
-                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.served_model_name, "--api", api,
+                    vllm_gateway.url, "--model", vllm_gateway.gateway.config.engine.served_model_name, "--api", api,
                     "--episodes", "2", "--group-size", "2", "--out", str(out)], check=True, timeout=600)
     episodes = [json.loads(line) for line in out.read_text().splitlines()]
     engine = vllm_gateway.gateway.engine

@@ -156,7 +156,7 @@ def test_responses_messages_and_completions_are_redacted_alike(scripted: Running
 def test_detect_counts_and_off_does_nothing(tiny_model_path: Path, tmp_path: Path, mode: str) -> None:
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model_path)), "tiny")
     engine.replies.append(f"Yes, {EMAIL}.")
-    gw = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'd.db'}", redaction=mode)
+    gw = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'd.db'}", gateway={"redaction": mode})
     try:
         _post(gw, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": EMAIL}]}, "d")
         record = _session(gw, "d")
@@ -174,9 +174,9 @@ def test_a_key_may_have_its_own_redaction_mode(tiny_model_path: Path, tmp_path: 
     decides, so the admin's call in a session of the first key is kept as sent too."""
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model_path)), "tiny")
     keys = {"plain": "key-plain", "kept": "key-kept", "counted": "key-counted"}
-    gw = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'k.db'}", admin_key="key-admin",
-                       api_keys=[keys["plain"], {"key": keys["kept"], "redaction": "off"},
-                                 {"key": keys["counted"], "redaction": "detect"}])
+    gw = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'k.db'}", gateway={
+        "admin_key": "key-admin", "api_keys": [keys["plain"], {"key": keys["kept"], "redaction": "off"},
+                                               {"key": keys["counted"], "redaction": "detect"}]})
     admin = {"Authorization": "Bearer key-admin"}
     try:
         for name, key in [*keys.items(), ("kept", "key-admin")]:
@@ -203,4 +203,4 @@ def test_a_bad_redaction_mode_on_a_key_is_refused_when_the_config_loads() -> Non
     from tracetrain.config import Config
 
     with pytest.raises(ValidationError, match="redaction"):
-        Config(api_keys=[{"key": "k", "redaction": "mask"}])
+        Config(gateway={"api_keys": [{"key": "k", "redaction": "mask"}]})

@@ -74,14 +74,14 @@ def replicated(vllm_server: RunningVLLM, second_server: VLLMServer, smollm2_path
 def chat(gw: RunningGateway, session: str, messages: list[dict[str, Any]], max_tokens: int = 8,
          timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{gw.v1(session)}/chat/completions", timeout=timeout,
-                      json={"model": gw.gateway.config.served_model_name, "messages": messages,
+                      json={"model": gw.gateway.config.engine.served_model_name, "messages": messages,
                             "max_tokens": max_tokens, "temperature": 1.0})
 
 
 def streamed(gw: RunningGateway, session: str, messages: list[dict[str, Any]]) -> tuple[str, int]:
     """(completion id, 200) for a stream that ended with [DONE], ("", status) for one that ended
     with an error event or status; a stream cut without either raises."""
-    body = {"model": gw.gateway.config.served_model_name, "messages": messages, "max_tokens": 24, "stream": True}
+    body = {"model": gw.gateway.config.engine.served_model_name, "messages": messages, "max_tokens": 24, "stream": True}
     with httpx.stream("POST", f"{gw.v1(session)}/chat/completions", json=body, timeout=120) as response:
         if response.status_code != 200:
             return "", response.status_code
@@ -218,7 +218,7 @@ def test_beyond_the_bound_requests_wait_then_get_429(replicated: RunningGateway)
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(*(client.post(
                 f"{replicated.v1(f'burst-{i}')}/chat/completions",
-                json={"model": replicated.gateway.config.served_model_name, "max_tokens": 64,
+                json={"model": replicated.gateway.config.engine.served_model_name, "max_tokens": 64,
                       "messages": [{"role": "user", "content": "Write a long story."}]}) for i in range(20)))
 
     responses = asyncio.run(burst())
@@ -262,8 +262,8 @@ def test_a_full_weight_canary_takes_a_replica_and_leaves_it_on_rollback(
 
     canary_dir, _ = save_full(load_model(smollm2_path), smollm2_path, tmp_path / "v1", seed=5)
     running = start_gateway(replicas, smollm2_path, f"sqlite:///{tmp_path / 'store.db'}", publisher=publisher,
-                            promotion="canary", canary_share=0.5, canary_min_sessions=1000,
-                            canary_max_sessions=1000)  # decided by hand here
+                            promotion={"mode": "canary", "canary_share": 0.5, "min_sessions": 1000,
+                                       "max_sessions": 1000})  # decided by hand here
     urls = [vllm_server.url, second_server.url]
     try:
         published = httpx.post(f"{running.url}/v1/policies", timeout=300,

@@ -1,5 +1,5 @@
 """Retention and erasure on SQLite and PostgreSQL: the gateway's scheduled purge and `tracetrain db purge` clear
-the content of sessions past `retention_days` (a key may have its own) and keep their figures; a purge runs
+the content of sessions past `store.retention_days` (a key may have its own) and keep their figures; a purge runs
 beside live traffic without losing or failing anything; `DELETE /v1/sessions/{id}` erases one session; purged
 sessions are never exported or claimed for training; no original text stays in a SQLite store's files; and
 the audit log records every export, correction, no_train, purge and deletion."""
@@ -32,12 +32,12 @@ from tracetrain.store.db import make_engine, open_engine
 from tracetrain.store.models import PURGED_STATE, AgentSession, Call, Reward, utcnow
 
 AGENT, KEEPER, ADMIN = "agent-key", "keeper-key", "admin-key"
-"""KEEPER's sessions are kept forever (its own `retention_days: null`), whatever the gateway's setting."""
+"""KEEPER's sessions are kept forever (its own `retention_days: null`), whatever `store.retention_days` says."""
 
 
-def _gateway(engine: TransformersEngine, model: Path, db_url: str, **config: Any) -> RunningGateway:
-    return start_gateway(RecordingEngine(engine), model, db_url, api_keys=[
-        AGENT, {"key": KEEPER, "retention_days": None}], admin_key=ADMIN, **config)
+def _gateway(engine: TransformersEngine, model: Path, db_url: str, **store: Any) -> RunningGateway:
+    return start_gateway(RecordingEngine(engine), model, db_url, store=store, gateway={
+        "api_keys": [AGENT, {"key": KEEPER, "retention_days": None}], "admin_key": ADMIN})
 
 
 @pytest.fixture
@@ -334,8 +334,8 @@ def test_db_purge_clears_what_is_past_each_keys_retention(db_url: str, tmp_path:
             + _old_sessions(db, "short-young", 1, days=1, owner=short))
     by_key = _old_sessions(db, "short", 2, days=6, owner=short)
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"api_keys": [AGENT, {"key": KEEPER, "retention_days": None},
-                                                   {"key": "short-key", "retention_days": 5}]}))
+    config.write_text(yaml.safe_dump({"gateway": {"api_keys": [AGENT, {"key": KEEPER, "retention_days": None},
+                                                               {"key": "short-key", "retention_days": 5}]}}))
 
     unset = _cli("--config", str(config), "db", "purge", "--db-url", db_url)
     assert unset.returncode == 0 and "nothing to purge" not in unset.stdout, unset.stderr  # the key's 5 days

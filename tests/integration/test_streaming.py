@@ -76,7 +76,7 @@ def test_streamed_text_does_not_wait_for_the_record(bursting: RunningGateway, ap
 
     monkeypatch.setattr(writer, "submit", slow_submit)
     path, body = BODIES[api]
-    body = {**body, "model": gateway.gateway.config.served_model_name, "stream": True, "temperature": 0.0}
+    body = {**body, "model": gateway.gateway.config.engine.served_model_name, "stream": True, "temperature": 0.0}
     first_text = last = None
     with httpx.Client(timeout=60) as client, \
             client.stream("POST", f"{gateway.v1(f'stream-{api}')}{path}", json=body) as response:

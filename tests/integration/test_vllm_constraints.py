@@ -46,7 +46,7 @@ def _trajectory(gw: RunningGateway, session: str) -> dict[str, Any]:
 def test_named_tool_choice_yields_a_schema_valid_call_and_chains_on(vllm_gateway: RunningGateway, seed: int) -> None:
     session = f"forced-{seed}"
     client = _client(vllm_gateway, session)
-    model = vllm_gateway.gateway.config.served_model_name
+    model = vllm_gateway.gateway.config.engine.served_model_name
     first = client.chat.completions.create(
         model=model, messages=QUESTION, tools=[ADD, LOOKUP], temperature=1.0, seed=seed, max_tokens=48,
         tool_choice={"type": "function", "function": {"name": "add"}})
@@ -80,7 +80,7 @@ def test_named_tool_choice_yields_a_schema_valid_call_and_chains_on(vllm_gateway
 def test_required_tool_choice_picks_one_of_the_tools_when_streaming(vllm_gateway: RunningGateway) -> None:
     client = _client(vllm_gateway, "forced-stream")
     stream = client.chat.completions.create(
-        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, tools=[ADD, LOOKUP],
+        model=vllm_gateway.gateway.config.engine.served_model_name, messages=QUESTION, tools=[ADD, LOOKUP],
         tool_choice="required", temperature=1.0, seed=7, max_tokens=48, stream=True)
     chunks = [c for c in stream if c.choices]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # the JSON is not leaked as text
@@ -94,14 +94,14 @@ def test_response_format_json_schema_is_enforced(vllm_gateway: RunningGateway) -
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
     reply = _client(vllm_gateway, "json-schema").chat.completions.create(
-        model=vllm_gateway.gateway.config.served_model_name, messages=QUESTION, temperature=1.0, seed=3,
+        model=vllm_gateway.gateway.config.engine.served_model_name, messages=QUESTION, temperature=1.0, seed=3,
         max_tokens=32, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     parsed = json.loads(reply.choices[0].message.content or "")
     assert set(parsed) == {"answer"} and isinstance(parsed["answer"], int)
 
 
 def test_the_responses_and_messages_apis_enforce_forced_calls_and_schemas_too(vllm_gateway: RunningGateway) -> None:
-    model = vllm_gateway.gateway.config.served_model_name
+    model = vllm_gateway.gateway.config.engine.served_model_name
     add = ADD["function"]
     responses = _client(vllm_gateway, "forced-responses").responses
     named = responses.create(model=model, input=QUESTION[0]["content"], temperature=1.0, max_output_tokens=48,
@@ -131,7 +131,7 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_and_the_session_stays_one_seg
         vllm_gateway: RunningGateway, api: str, stream: bool) -> None:
     """Through each API's SDK: the cut call in the API's shape (no markup as text), then the agent sends it back
     with an error as its result, and the two calls are one segment with exactly the sampled tokens in the loss."""
-    session, model = f"cut-{api}-{stream}", vllm_gateway.gateway.config.served_model_name
+    session, model = f"cut-{api}-{stream}", vllm_gateway.gateway.config.engine.served_model_name
     conversation: list[dict[str, Any]] = [{"role": "user", "content": QUESTION_CUT}]
     openai = _client(vllm_gateway, session)
     claude = anthropic.Anthropic(base_url=f"{vllm_gateway.url}/s/{session}", api_key="unused")

@@ -128,7 +128,7 @@ def test_self_started_vllm_listens_on_a_private_socket_only(
 
     # A call through the gateway and a LoRA publish, both over the socket.
     gateway, publisher = publishing_gateway
-    model = gateway.gateway.config.served_model_name
+    model = gateway.gateway.config.engine.served_model_name
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     first = httpx.post(f"{gateway.v1('exposure-0')}/chat/completions", json=body, timeout=120)
     assert first.status_code == 200, first.text

@@ -58,7 +58,7 @@ def _check_one_trajectory(gw: RunningGateway, session: str) -> None:
 
 
 def _model(gw: RunningGateway) -> str:
-    return gw.gateway.config.served_model_name
+    return gw.gateway.config.engine.served_model_name
 
 
 @pytest.mark.parametrize("stream", STREAMS)

@@ -23,7 +23,7 @@ def _segments(gw: RunningGateway, session: str) -> list[dict[str, Any]]:
 
 def test_multi_turn_chat_through_vllm_is_token_exact(vllm_gateway: RunningGateway) -> None:
     client = OpenAI(base_url=vllm_gateway.v1("v-chat"), api_key="unused")
-    model = vllm_gateway.gateway.config.served_model_name
+    model = vllm_gateway.gateway.config.engine.served_model_name
     messages: list[Any] = [{"role": "user", "content": "Name a colour."}]
     for follow_up in ("Another one?", "And a third?"):
         reply = client.chat.completions.create(model=model, messages=messages, temperature=0.7, seed=1,
@@ -49,7 +49,7 @@ def test_multi_turn_chat_through_vllm_is_token_exact(vllm_gateway: RunningGatewa
 def test_engine_errors_from_vllm_are_openai_errors(vllm_gateway: RunningGateway, vllm_server: Any) -> None:
     long_prompt = "word " * (vllm_server.max_model_len + 100)
     response = httpx.post(f"{vllm_gateway.v1('v-long')}/chat/completions", timeout=120, json={
-        "model": vllm_gateway.gateway.config.served_model_name, "max_tokens": 4,
+        "model": vllm_gateway.gateway.config.engine.served_model_name, "max_tokens": 4,
         "messages": [{"role": "user", "content": long_prompt}]})
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]
@@ -72,7 +72,7 @@ def test_a_client_that_leaves_a_stream_stops_its_generation(vllm_gateway: Runnin
     left running, this one goes on for hundreds of tokens, several seconds here), and nothing is recorded
     for the unfinished call."""
     counting = ", ".join(str(i) for i in range(1, 40)) + ","  # the model goes on counting
-    body = {"model": vllm_gateway.gateway.config.served_model_name, "max_tokens": 3000, "stream": True,
+    body = {"model": vllm_gateway.gateway.config.engine.served_model_name, "max_tokens": 3000, "stream": True,
             "temperature": 0.0, "prompt": counting}
     with httpx.Client(timeout=120) as client, \
             client.stream("POST", f"{vllm_gateway.v1('v-leaves')}/completions", json=body) as response:

@@ -28,7 +28,7 @@ SHORT: Any = [{"role": "user", "content": "Give me a JSON object."}]
 @pytest.mark.parametrize("seed", [0, 1])
 def test_json_object_on_a_short_prompt_is_valid_json_as_vllms_own(vllm_gateway: RunningGateway,
                                                                    vllm_server: RunningVLLM, seed: int) -> None:
-    model = vllm_gateway.gateway.config.served_model_name
+    model = vllm_gateway.gateway.config.engine.served_model_name
     client = OpenAI(base_url=vllm_gateway.v1(f"json-object-{seed}"), api_key="unused", timeout=300, max_retries=0)
     reply = client.chat.completions.create(model=model, messages=SHORT, max_tokens=200, seed=seed,
                                            response_format={"type": "json_object"})

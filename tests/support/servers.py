@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from tracetrain.compose import ServiceFactory, build_gateway
@@ -76,12 +77,20 @@ def load_tokenizer(tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, *, publisher: Publisher | None = None,
-                  services: Sequence[ServiceFactory] = (), **config: Any) -> RunningGateway:
+def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, /, *, publisher: Publisher | None = None,
+                  services: Sequence[ServiceFactory] = (), **groups: dict[str, Any] | BaseModel) -> RunningGateway:
     """Serve a real gateway on a free loopback port from a background thread, built as `serve` builds it
-    (tracetrain/compose.py), with `publisher` and background `services` (the trainer) if given."""
+    (tracetrain/compose.py), with `publisher` and background `services` (the trainer) if given.
+
+    `groups` are settings by group, merged over the port, store and model name given here:
+    `gateway={"api_keys": [...]}`, `promotion={"mode": "canary"}`, `engine={...}` (a keyword, apart from the
+    `engine` object passed first), or a whole model (`train=TrainConfig(...)`)."""
     port = free_port()
-    cfg = Config(port=port, db_url=db_url, served_model_name=engine.model_name, **config)
+    settings: dict[str, Any] = {"gateway": {"port": port}, "store": {"url": db_url},
+                                "engine": {"served_model_name": engine.model_name}}
+    for name, values in groups.items():
+        settings[name] = values if isinstance(values, BaseModel) else {**settings.get(name, {}), **values}
+    cfg = Config(**settings)
     gateway = build_gateway(cfg, engine, load_tokenizer(tokenizer_dir), make_engine(db_url),
                             publisher=publisher, services=services)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tracetrain.config import Config, TrainConfig, load_config
+from tracetrain.config import RENAMED, StoreConfig, TrainConfig, groups, load_config
 from tracetrain.config_docs import COMMAND, env_name, field_docstrings, render_configuration_markdown
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -27,21 +27,27 @@ def test_configuration_page_matches_config() -> None:
 
 def test_every_field_is_on_the_page_with_its_docstring() -> None:
     page = render_configuration_markdown()
-    for prefix, model in (("", Config), ("train.", TrainConfig)):
+    for group, model in groups().items():
         docs = field_docstrings(model)
         for name in model.model_fields:
-            if name == "train":
-                continue  # a section of its own
-            assert f"| `{prefix}{name}` |" in page, name
+            assert f"| `{group}.{name}` |" in page, name
             if name in docs:
                 assert " ".join(docs[name].split())[:60].replace("|", "\\|") in page, name
 
 
 def test_documented_environment_variables_set_the_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     lr = env_name("lr", TrainConfig.model_fields["lr"], ("train",))
-    db_url = env_name("db_url", Config.model_fields["db_url"])
-    assert (lr, db_url) == ("TRACETRAIN_TRAIN__LR", "TRACETRAIN_DB_URL")
+    db_url = env_name("url", StoreConfig.model_fields["url"], ("store",))
+    assert (lr, db_url) == ("TRACETRAIN_TRAIN__LR", "TRACETRAIN_STORE__URL")
     monkeypatch.setenv(lr, "3e-5")
     monkeypatch.setenv(db_url, "sqlite:///elsewhere.db")
     config = load_config()
-    assert config.train.lr == 3e-5 and config.db_url == "sqlite:///elsewhere.db"
+    assert config.train.lr == 3e-5 and config.store.url == "sqlite:///elsewhere.db"
+
+
+def test_every_old_name_points_at_a_setting_that_exists() -> None:
+    page = render_configuration_markdown()
+    for old, new in RENAMED.items():
+        group, name = new.split(".")
+        assert name in groups()[group].model_fields, new
+        assert f"| `{old}` | `{new}` |" in page, old

@@ -49,15 +49,15 @@ def test_no_gpu_places_nothing() -> None:
 
 
 @pytest.mark.parametrize(("visible", "overrides", "sentence"), [
-    (2, {"engine_gpus": [2]}, "engine_gpus names GPU [2], but 2 GPU(s) are visible"),
+    (2, {"engine_gpus": [2]}, "engine.gpus names GPU [2], but 2 GPU(s) are visible"),
     (2, {"trainer_gpus": [1, 1]}, "train.gpus names a GPU twice"),
-    (4, {"engine_gpus": [0, 1]}, "engine_gpus lists 2 GPU(s) for 1 vLLM replica(s)"),
+    (4, {"engine_gpus": [0, 1]}, "engine.gpus lists 2 GPU(s) for 1 vLLM replica(s)"),
     (4, {"trainer_gpus": [2, 3]}, "train.gpus lists 2 GPU(s) for train.workers=1"),
     (2, {"replicas": 3}, "3 vLLM replicas need a GPU each, and 2 are visible"),
     (2, {"engine_gpus": [0], "trainer_gpus": [0]}, "both use GPU [0] in async mode"),
     (2, {"replicas": 2}, "both use GPU [0] in async mode"),  # the default leaves the trainer no GPU of its own
     (2, {"workers": 3, "mode": "sync"}, "train.workers=3 needs a GPU each"),
-    (2, {"sleep": "on"}, "engine_sleep: on puts vLLM to sleep"),
+    (2, {"sleep": "on"}, "engine.sleep: on puts vLLM to sleep"),
     (0, {"sleep": "on"}, "needs a GPU"),
     (0, {"engine_gpus": [0]}, "0 GPU(s) are visible"),
 ])
@@ -84,30 +84,30 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatc
 def test_config_resolves_the_split_and_vllm_gets_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpus, "_driver_gpus", lambda: ("0",))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    config = settle(load_config(engine="vllm", train={"mode": "sync"}), training_here=True)
-    assert (config.engine_gpus, config.train.gpus, config.engine_sleep) == ([0], [0], "on")
-    assert gpu_args(config) == ["--gpu-memory-utilization", "0.6", "--enable-sleep-mode"]
-    serving = settle(load_config(engine="vllm"), training_here=False)
-    assert gpu_args(serving) == ["--gpu-memory-utilization", "0.9"]
-    assert (serving.engine_sleep, serving.train.gpus) == ("off", [])
+    config = settle(load_config(engine={"kind": "vllm"}, train={"mode": "sync"}), training_here=True)
+    assert (config.engine.gpus, config.train.gpus, config.engine.sleep) == ([0], [0], "on")
+    assert gpu_args(config.engine) == ["--gpu-memory-utilization", "0.6", "--enable-sleep-mode"]
+    serving = settle(load_config(engine={"kind": "vllm"}), training_here=False)
+    assert gpu_args(serving.engine) == ["--gpu-memory-utilization", "0.9"]
+    assert (serving.engine.sleep, serving.train.gpus) == ("off", [])
 
 
 def test_config_refuses_named_gpus_when_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpus, "_driver_gpus", lambda: ("0", "1"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ValueError, match="both use GPU"):
-        load_config(engine_gpus="1", train={"gpus": "1"})
-    with pytest.raises(ValueError, match="engine_gpus places the vLLM servers this gateway starts"):
-        load_config(engine_gpus=[0], engine_url=["http://127.0.0.1:9"])
-    assert load_config(engine_gpus="0", train={"gpus": "1"}).train.gpus == [1]
+        load_config(engine={"gpus": "1"}, train={"gpus": "1"})
+    with pytest.raises(ValueError, match="engine.gpus places the vLLM servers this gateway starts"):
+        load_config(engine={"gpus": [0], "urls": ["http://127.0.0.1:9"]})
+    assert load_config(engine={"gpus": "0"}, train={"gpus": "1"}).train.gpus == [1]
 
 
 def test_serve_refuses_gpus_this_machine_lacks() -> None:
     """The real command on this machine (no GPU, or none that nvidia-smi lists): a sentence, no traceback."""
-    run = subprocess.run([sys.executable, "-m", "tracetrain.cli", "serve", "--set", "engine_gpus=0"],
+    run = subprocess.run([sys.executable, "-m", "tracetrain.cli", "serve", "--set", "engine.gpus=0"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "engine_gpus names GPU [0]" in run.stderr and "Traceback" not in run.stderr
+    assert "engine.gpus names GPU [0]" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_the_fsdp_workers_local_ray_sees_only_the_trainers_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

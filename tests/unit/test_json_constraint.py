@@ -40,7 +40,8 @@ def test_without_a_bound_or_for_other_constraints_nothing_changes() -> None:
 
 
 def test_the_bound_is_a_setting_checked_when_the_config_loads() -> None:
-    assert Config().json_max_whitespace == 64
-    assert load_config(**parse_set(["json_max_whitespace=null"])).json_max_whitespace is None  # `--set` may unset
+    assert Config().engine.json_max_whitespace == 64
+    unset = load_config(**parse_set(["engine.json_max_whitespace=null"]))  # `--set` may unset
+    assert unset.engine.json_max_whitespace is None
     with pytest.raises(ValidationError, match="json_max_whitespace"):
-        Config(json_max_whitespace=0)  # xgrammar refuses a zero bound; compact JSON is the server's flag
+        Config(engine={"json_max_whitespace": 0})  # xgrammar refuses a zero bound; compact JSON is the server's flag

@@ -1,4 +1,4 @@
-"""A vLLM server started again by a pinned gateway (`gateway_cpus`) gets the CPUs the gateway had when it
+"""A vLLM server started again by a pinned gateway (`gateway.cpus`) gets the CPUs the gateway had when it
 made the server, not the gateway's own: the restart runs on the pinned event loop's thread."""
 
 from __future__ import annotations

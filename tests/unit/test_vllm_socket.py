@@ -35,12 +35,12 @@ def test_engine_urls_parse_in_one_place() -> None:
 
 
 def test_config_checks_engine_urls_and_the_listen_switch() -> None:
-    assert load_config(engine_url="unix:/run/x/vllm.sock").engine_url == ["unix:/run/x/vllm.sock"]
-    assert load_config().vllm_listen == "socket"
+    assert load_config(engine={"urls": "unix:/run/x/vllm.sock"}).engine.urls == ["unix:/run/x/vllm.sock"]
+    assert load_config().engine.vllm_listen == "socket"
     with pytest.raises(ValidationError, match="engine URL"):
-        load_config(engine_url=["gpu-box:8000"])
+        load_config(engine={"urls": ["gpu-box:8000"]})
     with pytest.raises(ValidationError, match="vllm_listen"):
-        load_config(vllm_listen="udp")
+        load_config(engine={"vllm_listen": "udp"})
 
 
 def test_a_socket_server_listens_in_a_private_directory_and_no_port() -> None:

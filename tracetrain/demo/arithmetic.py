@@ -123,7 +123,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
             nonlocal done, total
             async with limit:
                 session = f"arith-{uuid.uuid4().hex[:12]}"
-                # A gateway under `admission: staleness` answers 429 with Retry-After while the trainer
+                # A gateway under `gateway.admission: staleness` answers 429 with Retry-After while the trainer
                 # catches up; the SDK waits that long and retries, as often as this allows.
                 client = AsyncOpenAI(base_url=f"{args.gateway}/s/{session}/g/{group}/v1", api_key=args.api_key,
                                      max_retries=RETRIES)
@@ -154,7 +154,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
 async def evaluate(args: argparse.Namespace) -> None:
     """Held-out problems (`--split`, never drawn for training), greedy, nothing posted."""
     problems = held_out(args.eval, args.split)
-    # Evaluation is not training work: a gateway under `admission: staleness` must not hold it.
+    # Evaluation is not training work: a gateway under `gateway.admission: staleness` must not hold it.
     client = AsyncOpenAI(base_url=f"{args.gateway}/v1", api_key=args.api_key, default_headers={"X-Admission": "bypass"})
     limit = asyncio.Semaphore(args.concurrency)
 

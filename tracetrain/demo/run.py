@@ -55,11 +55,15 @@ answers (bench/results/demo_seeds_grpo.md, in git history at af20f58), none of t
 
 
 def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:
-    """The demo's config file: its gateway and training settings under `overrides` (`parse_set`'s shape)."""
-    train = {**DEMO_TRAINING, "checkpoint_dir": str((out / "checkpoints").resolve()), **overrides.get("train", {})}
-    config = {"port": port, "vllm_port": vllm_port, "engine": engine, "log_level": "INFO",
-              "db_url": f"sqlite:///{(out / 'store.db').resolve()}",
-              **{k: v for k, v in overrides.items() if k != "train"}, "train": train}
+    """The demo's config file: its settings, group by group, under `overrides` (`parse_set`'s shape)."""
+    config: dict[str, dict[str, Any]] = {
+        "engine": {"kind": engine, "vllm_port": vllm_port},
+        "store": {"url": f"sqlite:///{(out / 'store.db').resolve()}"},
+        "gateway": {"port": port, "log_level": "INFO"},
+        "train": {**DEMO_TRAINING, "checkpoint_dir": str((out / "checkpoints").resolve())},
+    }
+    for group, settings in overrides.items():
+        config[group] = {**config.get(group, {}), **settings}
     path = out / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the agents' training stream and the trainer (the held-out set is fixed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any setting, as in `serve --set`: lr=1e-4 (or train.lr=1e-4), admission=staleness")
+                        help="any setting, as in `serve --set`: lr=1e-4 (or train.lr=1e-4), "
+                             "gateway.admission=staleness")
     args = parser.parse_args(argv)
     try:  # the agent speaks the OpenAI SDK; the trainer needs torch, peft and verl
         import matplotlib  # noqa: F401

@@ -5,7 +5,7 @@ is set, else the driver's indices. Counting them asks `nvidia-smi`, not torch: a
 without torch must still place the vLLM servers it starts.
 
 The split (docs/architecture.md, "GPUs"):
-- every vLLM replica started here gets one GPU of `engine_gpus`;
+- every vLLM replica started here gets one GPU of `engine.gpus`;
 - the trainer's `workers` get `trainer_gpus`;
 - unset, the engine takes the first GPUs and the trainer the next ones; on one GPU they share it.
 
@@ -77,15 +77,15 @@ def plan_gpus(*, visible: int, replicas: int, workers: int, engine_gpus: list[in
     """The split for `visible` GPUs, `replicas` vLLM servers started here and `workers` trainer processes
     on GPUs (0 when the trainer runs on the CPU or elsewhere). Raises ValueError with a sentence naming
     the settings when the split cannot work."""
-    _check_listed("engine_gpus", engine_gpus, visible)
+    _check_listed("engine.gpus", engine_gpus, visible)
     _check_listed("train.gpus", trainer_gpus, visible)
     if visible == 0:
         if sleep == "on":
-            raise ValueError("engine_sleep: on needs a GPU (vLLM's sleep mode exists on CUDA only), and none is "
+            raise ValueError("engine.sleep: on needs a GPU (vLLM's sleep mode exists on CUDA only), and none is "
                              "visible here")
         return GPUPlan([], [], None, False)
     if engine_gpus and len(engine_gpus) != replicas:
-        raise ValueError(f"engine_gpus lists {len(engine_gpus)} GPU(s) for {replicas} vLLM replica(s) started here: "
+        raise ValueError(f"engine.gpus lists {len(engine_gpus)} GPU(s) for {replicas} vLLM replica(s) started here: "
                          "each replica takes one GPU of its own")
     if trainer_gpus and len(trainer_gpus) != workers:
         raise ValueError(f"train.gpus lists {len(trainer_gpus)} GPU(s) for train.workers={workers}: each worker "
@@ -97,10 +97,10 @@ def plan_gpus(*, visible: int, replicas: int, workers: int, engine_gpus: list[in
     shared = sorted(set(engine) & set(trainer))
     if shared and mode == "async" and visible > 1:
         raise ValueError(f"the engine and the trainer both use GPU {shared} in async mode, where both compute at "
-                         "once; give them disjoint GPUs (engine_gpus, train.gpus), or use train.mode: sync, in which "
+                         "once; give them disjoint GPUs (engine.gpus, train.gpus), or use train.mode: sync, in which "
                          "vLLM sleeps while the trainer steps")
     if sleep == "on" and not (shared and mode == "sync"):
-        raise ValueError("engine_sleep: on puts vLLM to sleep while a sync-mode step trains on its GPU; it needs "
+        raise ValueError("engine.sleep: on puts vLLM to sleep while a sync-mode step trains on its GPU; it needs "
                          "train.mode: sync and a GPU shared by the engine and the trainer")
     asleep = sleep == "on" or (sleep == "auto" and bool(shared) and mode == "sync")
     if memory_share is None and engine:

@@ -100,7 +100,7 @@ class ReplicaPublisher:
     async def adopt(self, checkpoint: Checkpoint) -> None:
         """Serve a version another gateway process on the same store published into these replicas: a
         LoRA adapter it already loaded is only switched to (loaded where it is missing); full weights
-        are already in the servers, so only the version label moves (see `gateway_workers` for why
+        are already in the servers, so only the version label moves (see `gateway.workers` for why
         several processes publish LoRA only)."""
         async with self._lock:
             if checkpoint.kind == "lora":
@@ -136,7 +136,7 @@ class ReplicaPublisher:
 
     async def stage(self, checkpoint: Checkpoint) -> None:
         """LoRA: load a canary into every replica in service; a replica that fails is taken out. Full
-        weights: reload a subset of the replicas with it (`canary_share` of them, at least one, never all):
+        weights: reload a subset of the replicas with it (`promotion.canary_share` of them, at least one, never all):
         the replica set routes only the canary's sessions there."""
         if checkpoint.kind == "full":
             await self._stage_full(checkpoint)

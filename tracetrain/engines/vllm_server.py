@@ -158,7 +158,7 @@ def die_with_parent() -> None:
 
 def _start_child(cpus: set[int] | None) -> None:
     """In the server's process, before vLLM runs: `die_with_parent`, and the CPUs its starter had when
-    the server was made (a gateway pinned since, `gateway_cpus`, would otherwise pass its own on)."""
+    the server was made (a gateway pinned since, `gateway.cpus`, would otherwise pass its own on)."""
     die_with_parent()
     if cpus:
         with contextlib.suppress(OSError):
@@ -321,7 +321,7 @@ class VLLMServer:
             self.socket_path.unlink(missing_ok=True)
         elif not _port_free(self.host, self.port):
             raise RuntimeError(f"port {self.port} on {self.host} is taken: another vLLM (or anything else) "
-                               "is there; pick another port or pass its URL as engine_url")
+                               "is there; pick another port or pass its URL as engine.urls (--engine-url)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting vLLM on %s (log: %s): %s", self.url, self.log_path, " ".join(cmd))
         with open(self.log_path, "ab") as log_file:

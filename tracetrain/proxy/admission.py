@@ -1,10 +1,10 @@
 """Staleness-aware admission: hold new sessions while the trainer already has enough work.
 
-Under `admission: staleness` a request that would start a new session waits while the sessions that
+Under `gateway.admission: staleness` a request that would start a new session waits while the sessions that
 are ready for the trainer (final, unclaimed; counted in the store, so a trainer in any process frees
 room by claiming) plus the sessions this gateway admitted and that are still running fill
 `admission_limit`. Room appears as the trainer claims a batch; a request still waiting after
-`admission_wait_s` gets 429 with `Retry-After` (the trainer's recent step interval). Calls of
+`gateway.admission_wait_s` gets 429 with `Retry-After` (the trainer's recent step interval). Calls of
 sessions already running are never held, nor are siblings of an explicit group admitted moments
 ago (a GRPO group is admitted whole), nor requests marked `X-Admission: bypass` (evaluation).
 
@@ -38,9 +38,9 @@ MAX_TRACKED = 1_000_000
 
 class Admission:
     def __init__(self, config: Config, db: DBEngine, metrics: GatewayMetrics) -> None:
-        self.enabled = config.admission == "staleness"
+        self.enabled = config.gateway.admission == "staleness"
         self.limit = config.admission_limit
-        self.wait_s = config.admission_wait_s
+        self.wait_s = config.gateway.admission_wait_s
         self.db = db
         self.metrics = metrics
         self.in_flight: TTLCache[str, bool] = TTLCache(MAX_TRACKED, ttl=config.train.group_settle_s)
@@ -52,7 +52,7 @@ class Admission:
         self._lock = asyncio.Lock()
 
     async def admit(self, session_id: str, group_id: str | None, *, bypass: bool = False) -> None:
-        """Return once a new session may start; raise 429 after `admission_wait_s` without room."""
+        """Return once a new session may start; raise 429 after `gateway.admission_wait_s` without room."""
         if not self.enabled or bypass or session_id in self.in_flight:
             return
         deadline = time.monotonic() + self.wait_s

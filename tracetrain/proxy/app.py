@@ -104,6 +104,6 @@ def build_app(gateway: Gateway) -> FastAPI:
                    policies, replicas, generation, console):
         app.include_router(module.router)
     mount_console(app)
-    app.add_middleware(BodyLimit, limit=gateway.config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=gateway.config.gateway.max_body_bytes)
     app.add_middleware(InFlight, gateway=gateway)
     return app

@@ -42,7 +42,7 @@ class KeyRing:
         self._untrained = {fingerprint(k) for k in untrained}
 
     def trains(self, owner: str | None) -> bool:
-        """Whether sessions of the key with fingerprint `owner` may be trained on (config `api_keys`)."""
+        """Whether sessions of the key with fingerprint `owner` may be trained on (`gateway.api_keys`)."""
         return owner not in self._untrained
 
     def identify(self, authorization: str | None) -> Caller:

@@ -1,4 +1,4 @@
-"""vLLM asleep while a `sync`-mode step trains on the GPU it shares with the trainer (`engine_sleep`).
+"""vLLM asleep while a `sync`-mode step trains on the GPU it shares with the trainer (`engine.sleep`).
 
 The trainer holds generation for its step (proxy/holds.py; through the store when it runs
 in another process). Once no call is outstanding on any replica, every replica sleeps; generation then

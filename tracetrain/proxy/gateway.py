@@ -68,14 +68,15 @@ class Gateway:
         self.sessions = sessions
         self.publishing = publishing
         self.canary = publishing.canary
-        """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
+        """Under `promotion.mode: canary`, new versions serve a share of new sessions until their test decides."""
         self.admission = admission
-        """Under `admission: staleness`, holds new sessions while the trainer has enough work."""
+        """Under `gateway.admission: staleness`, holds new sessions while the trainer has enough work."""
         self.holds = holds
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.keys = keys
         self.redactors = redactors
-        """What is kept of each call (`redaction`, `redaction_patterns`; proxy/redact.py)."""
+        """What is kept of each call (`gateway.redaction`, `gateway.redaction_patterns`, a key's own
+        `redaction`; proxy/redact.py)."""
         self.metrics = metrics
         self.engine_sleep = engine_sleep
         """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""
@@ -107,10 +108,10 @@ class Gateway:
         await self.engine.close()
 
     def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
+        if model != self.config.engine.served_model_name:
             raise APIError(
                 404,
-                f"The model '{model}' does not exist; this gateway serves '{self.config.served_model_name}'.",
+                f"The model '{model}' does not exist; this gateway serves '{self.config.engine.served_model_name}'.",
                 code="model_not_found",
                 param="model",
             )
@@ -139,16 +140,16 @@ class Gateway:
             seen = self.writer.committed_ops
 
     def retention_rules(self) -> retention.Retention:
-        """`retention_days`, with the keys' own settings by fingerprint (the sessions' `owner`)."""
-        return retention.Retention(self.config.retention_days, {
-            fingerprint(key): days for key, days in self.config.retention_by_key().items()})
+        """`store.retention_days`, with the keys' own settings by fingerprint (the sessions' `owner`)."""
+        return retention.Retention(self.config.store.retention_days, {
+            fingerprint(key): days for key, days in self.config.gateway.retention_by_key().items()})
 
     async def purge_expired(self, *, actor: str | None = "retention") -> int:
         """Clear the content of every session past its retention (store/retention.py); how many."""
         return await retention.purge(self.writer.submit, self.db, retention=self.retention_rules(), actor=actor)
 
     async def _purge_expired(self) -> None:
-        """Purge as the gateway starts, then every `retention_interval_s`; each batch of sessions is one
+        """Purge as the gateway starts, then every `store.retention_interval_s`; each batch of sessions is one
         writer transaction, so calls keep being recorded in between."""
         while True:
             try:
@@ -157,7 +158,7 @@ class Gateway:
                     log.info("retention: cleared the content of %d sessions", purged)
             except Exception as exc:  # the store briefly away: the next round goes on where this one stopped
                 log.warning("purging expired sessions failed: %s", exc)
-            await asyncio.sleep(self.config.retention_interval_s)
+            await asyncio.sleep(self.config.store.retention_interval_s)
 
 
 async def read_in_thread(db: DBEngine, fn: Callable[[Session], Any]) -> Any:

@@ -1,7 +1,7 @@
-"""Canary promotion in one gateway process (`promotion: canary`).
+"""Canary promotion in one gateway process (`promotion.mode: canary`).
 
 A new version is first *staged*: the engine holds it next to the incumbent, and only the share
-`canary_share` of new sessions is assigned to it (by a hash of the session's named group, else of its
+`promotion.canary_share` of new sessions is assigned to it (by a hash of the session's named group, else of its
 id, so every process assigns alike). A session keeps the version it started on. Every second the
 canary's test (proxy/sequential.py) runs on the final rewards of the sessions each version began
 since the canary started; its decision is stored (`store/promotion.py`, once, whichever process gets
@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from sqlmodel import Session
 
-from tracetrain.config import Config
+from tracetrain.config import PromotionConfig
 from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, PublishError
 from tracetrain.proxy import sequential
@@ -48,7 +48,7 @@ def assigned_to_canary(key: str, share: float) -> bool:
 
 
 class Promotion:
-    def __init__(self, config: Config, engine: Engine, *, read: Read, write: Write) -> None:
+    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write) -> None:
         """`read` runs a query off the event loop; `write` goes through the store writer."""
         self.config = config
         self.engine = engine
@@ -59,7 +59,7 @@ class Promotion:
 
     @property
     def enabled(self) -> bool:
-        return self.config.promotion == "canary"
+        return self.config.mode == "canary"
 
     def version_for(self, *, new: bool, key: str, pinned: int | None) -> int | None:
         """The version a call should be served by: None for the engine's current one. A stored session
@@ -111,8 +111,8 @@ class Promotion:
 
         canary_r, incumbent_r = await self._read(rewards)
         c = self.config
-        result = sequential.decide(canary_r, incumbent_r, margin=c.canary_margin, alpha=c.canary_alpha,
-                                   min_sessions=c.canary_min_sessions, max_sessions=c.canary_max_sessions)
+        result = sequential.decide(canary_r, incumbent_r, margin=c.margin, alpha=c.alpha,
+                                   min_sessions=c.min_sessions, max_sessions=c.max_sessions)
         trial.latest = result
         if result.outcome != "wait":
             outcome = "promoted" if result.outcome == "promote" else store.ROLLED_BACK

@@ -34,7 +34,7 @@ class PublishController:
         self.publisher = publisher
         """Puts new weights into the engine; None when this gateway does not publish (no training)."""
         self.canary = canary
-        """Under `promotion: canary`, new versions serve a share of new sessions until their test decides."""
+        """Under `promotion.mode: canary`, new versions serve a share of new sessions until their test decides."""
         self.replica_sync: ReplicaSync | None = None
         """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
         self._writer, self._read, self._holds, self._engine_sleep = writer, read, holds, engine_sleep

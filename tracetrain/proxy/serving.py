@@ -112,7 +112,7 @@ class Turn:
     pinned: int | None = None
     """The version to serve it with (canary promotion: the session's own); None: the engine's current."""
     redaction: RequestRedaction | None = None
-    """What the request's messages hold (proxy/redact.py); None with `redaction: off`."""
+    """What the request's messages hold (proxy/redact.py); None with `gateway.redaction: off`."""
     retried: Retried | None = None
     """The recorded request this one retries and replaces (proxy/retries.py)."""
     recorded: bool = False
@@ -188,7 +188,7 @@ async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[
     if turn.pinned is not None:
         params = replace(params, version=turn.pinned)
     affinity = Affinity(turn.session_id, turn.group_id)
-    async with asyncio.timeout(gw.config.engine_timeout_s):
+    async with asyncio.timeout(gw.config.engine.timeout_s):
         async for delta in gw.engine.generate(turn.plan.prompt_ids, params, affinity):
             choice.token_ids += delta.token_ids
             choice.logprobs += delta.logprobs
@@ -288,7 +288,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
 
     new_row = dict(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
                    policy_version=rows[0]["policy_version"]) if turn.new_session else None
-    check_rollback = gw.config.promotion == "canary"
+    check_rollback = gw.config.promotion.mode == "canary"
     retried = turn.retried
 
     # Consent: the key's setting or the request's `X-Train: no` keeps the session out of training for good.

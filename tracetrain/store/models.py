@@ -65,7 +65,7 @@ class AgentSession(AgentSessionBase, table=True):
     redactions: dict[str, int] | None = Field(default=None, sa_column=Column(JSON))
     """What redaction found in the session's stored calls, by type (`{"EMAIL": 2}`); None: nothing."""
     purged: str | None = Field(default=None, max_length=16)
-    """Why its content is gone: `retention` (older than `retention_days`, store/retention.py) or `deleted`
+    """Why its content is gone: `retention` (older than `store.retention_days`, store/retention.py) or `deleted`
     (an admin's `DELETE /v1/sessions/{id}`, an erasure request). A purged session keeps its row, counts,
     rewards and versions, and is never claimed for training or exported."""
     purged_at: datetime | None = None
@@ -133,7 +133,7 @@ class Call(CallBase, table=True):
     response_message: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
     request_params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     redactions: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
-    """What redaction found in this call (`counts` by type) and, under `redaction: redact`, the token
+    """What redaction found in this call (`counts` by type) and, under `gateway.redaction: redact`, the token
     ranges it masked: `prompt` in `prompt_ids`, `completion` in `completion_ids`, as [start, end) pairs.
     Masked ids hold a filler id and are out of the loss (docs/architecture.md, "Redaction")."""
 

@@ -68,6 +68,6 @@ def autocast(cfg: TrainConfig, device: str) -> torch.autocast:
 
 def release_cached_memory() -> None:
     """Hand the memory torch's allocator keeps cached after a step back to the GPU, so that a vLLM that
-    slept through the step (`engine_sleep`) can wake into it. A no-op without CUDA."""
+    slept through the step (`engine.sleep`) can wake into it. A no-op without CUDA."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -57,7 +57,7 @@ async def list_policies(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
             # Under canary promotion: the version on trial and its test's latest figures.
-            "promotion": {"mode": gw.config.promotion, "canary": gw.canary.state()},
+            "promotion": {"mode": gw.config.promotion.mode, "canary": gw.canary.state()},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 

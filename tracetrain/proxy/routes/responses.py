@@ -116,7 +116,7 @@ async def _spec(gw: Gateway, request: Request, body: ResponsesRequest, caller: C
         conversation.insert(0, {"role": "system", "content": body.instructions, "source": INSTRUCTIONS})
     constraint = _constraint(body)
     params = SamplingParams(
-        max_tokens=body.max_output_tokens or gw.config.default_max_tokens,
+        max_tokens=body.max_output_tokens or gw.config.gateway.default_max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, stop=[], seed=None, top_logprobs=0,
         structured_output=constraint.structured_output if constraint else None, stream=body.stream,

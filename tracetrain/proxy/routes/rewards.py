@@ -49,7 +49,7 @@ async def post_reward(gw: Gateway, body: SessionRewardRequest, caller: CallerDep
                       path_session: str | None = None) -> RewardResponse:
     session_id, call_id = await _target(gw, body, path_session)
     await gw.sessions.owned(session_id, caller)
-    value = combine(body.reward, gw.config.reward_weights)
+    value = combine(body.reward, gw.config.gateway.reward_weights)
     components = body.reward if isinstance(body.reward, dict) else None
 
     def write(db: Session) -> RewardResponse:

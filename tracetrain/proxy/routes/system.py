@@ -21,12 +21,12 @@ async def health(gw: GatewayDep) -> dict[str, Any]:
 
 
 async def metrics_access(request: Request, gw: GatewayDep) -> None:
-    """`/metrics` as open as `metrics_key` allows: counters reveal traffic, so a gateway on a shared
+    """`/metrics` as open as `gateway.metrics_key` allows: counters reveal traffic, so a gateway on a shared
     network may want them behind a key."""
-    if gw.config.metrics_key == "none":
+    if gw.config.gateway.metrics_key == "none":
         return
     caller = await get_caller(request)
-    if gw.config.metrics_key == "admin":
+    if gw.config.gateway.metrics_key == "admin":
         await get_admin(caller)
 
 
@@ -47,6 +47,6 @@ async def metrics(gw: GatewayDep) -> Response:
 @router.get("/s/{session}/v1/models", responses=error_responses(401))
 @router.get("/s/{session}/g/{group}/v1/models", responses=error_responses(401))
 async def models(gw: GatewayDep, _: CallerDep) -> dict[str, Any]:
-    name = gw.config.served_model_name
+    name = gw.config.engine.served_model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                         "owned_by": "tracetrain", "policy_version": gw.engine.version}]}

@@ -6,7 +6,7 @@ Simulated rewards, no servers: each new session goes to the canary with probabil
 its final reward is Bernoulli (the incumbent's success rate `--base`, the canary's `--base + delta`);
 the test runs after every `--look-every` new rewards, as the gateway runs it every second. Fixed before
 the run: a rollback of a canary that is not worse by more than the margin is an error, and so is a
-promotion of one worse by more than the margin; the pass line for the first is `canary_alpha`.
+promotion of one worse by more than the margin; the pass line for the first is `promotion.alpha`.
 
     python -m bench.canary_test
 """
@@ -25,11 +25,11 @@ from bench.common import (
     run_started,
     write_results,
 )
-from tracetrain.config import Config
+from tracetrain.config import PromotionConfig
 from tracetrain.proxy.sequential import decide
 
 
-def run_once(rng: random.Random, p_canary: float, p_incumbent: float, cfg: Config, look_every: int,
+def run_once(rng: random.Random, p_canary: float, p_incumbent: float, cfg: PromotionConfig, look_every: int,
              max_total: int) -> tuple[str, int]:
     canary: list[float] = []
     incumbent: list[float] = []
@@ -39,8 +39,8 @@ def run_once(rng: random.Random, p_canary: float, p_incumbent: float, cfg: Confi
         else:
             incumbent.append(float(rng.random() < p_incumbent))
         if n % look_every == 0:
-            result = decide(canary, incumbent, margin=cfg.canary_margin, alpha=cfg.canary_alpha,
-                            min_sessions=cfg.canary_min_sessions, max_sessions=cfg.canary_max_sessions)
+            result = decide(canary, incumbent, margin=cfg.margin, alpha=cfg.alpha,
+                            min_sessions=cfg.min_sessions, max_sessions=cfg.max_sessions)
             if result.outcome != "wait":
                 return result.outcome, len(canary)
     return "wait", len(canary)
@@ -56,23 +56,23 @@ def main(argv: list[str] | None = None) -> None:
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     started = run_started()
-    cfg = Config()
+    cfg = PromotionConfig()
     rows: list[dict[str, object]] = []
     rng = random.Random(args.seed)
     table = ResultTable(
-        f"Bernoulli rewards, incumbent {args.base}; share {cfg.canary_share}, min {cfg.canary_min_sessions}, max "
-        f"{cfg.canary_max_sessions} canary sessions, margin {cfg.canary_margin}, alpha {cfg.canary_alpha}; "
+        f"Bernoulli rewards, incumbent {args.base}; share {cfg.canary_share}, min {cfg.min_sessions}, max "
+        f"{cfg.max_sessions} canary sessions, margin {cfg.margin}, alpha {cfg.alpha}; "
         f"{args.runs} runs per row",
         ["canary − incumbent", "promoted", "rolled back", "undecided", "canary sessions to decide (median)",
          "decided before the cap", "errors"])
-    max_total = int(cfg.canary_max_sessions / cfg.canary_share * 2)
+    max_total = int(cfg.max_sessions / cfg.canary_share * 2)
     for delta in (0.1, 0.05, 0.0, -0.05, -0.1, -0.2, -0.5):
         outcomes = [run_once(rng, min(1.0, max(0.0, args.base + delta)), args.base, cfg, args.look_every, max_total)
                     for _ in range(args.runs)]
         promoted = sum(o == "promote" for o, _ in outcomes)
         rolled = sum(o == "rollback" for o, _ in outcomes)
-        early = sum(o != "wait" and n < cfg.canary_max_sessions for o, n in outcomes)
-        wrong = rolled if delta > -cfg.canary_margin else promoted if delta < -cfg.canary_margin else None
+        early = sum(o != "wait" and n < cfg.max_sessions for o, n in outcomes)
+        wrong = rolled if delta > -cfg.margin else promoted if delta < -cfg.margin else None
         rows.append({"delta": delta, "promoted": promoted, "rolled_back": rolled, "decided_before_cap": early,
                      "errors": wrong, "canary_sessions": [n for _, n in outcomes]})
         table.add(f"{delta:+.2f}", f"{promoted / args.runs:.1%}", f"{rolled / args.runs:.1%}",
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         "by the interval (see 'decided before the cap'); the cap's mean rule then decides. A broken version "
         "(−0.2 or worse) is rolled back long before the cap.",
     ]
-    settings = {"share": cfg.canary_share, "min_sessions": cfg.canary_min_sessions,
-                "max_sessions": cfg.canary_max_sessions, "margin": cfg.canary_margin, "alpha": cfg.canary_alpha}
+    settings = {"share": cfg.canary_share, "min_sessions": cfg.min_sessions,
+                "max_sessions": cfg.max_sessions, "margin": cfg.margin, "alpha": cfg.alpha}
     raw = {"runs": args.runs, "base": args.base, "look_every": args.look_every, "seed": args.seed,
            "canary_settings": settings, "rows": rows}
     command = command_line("bench.canary_test", argv)

@@ -985,23 +985,24 @@ def _seconds(values: list[float]) -> str:
 
 def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: Path, memory_share: float,
                            timeout_s: float) -> dict[str, Any]:
-    """`tracetrain serve --train` on the GPU with the settings of issue 29 (engine_gpus, train.gpus,
-    engine_memory_share, engine_sleep): agents' calls and rewards until the first trained version serves."""
+    """`tracetrain serve --train` on the GPU with the settings of issue 29 (engine.gpus, train.gpus,
+    engine.memory_share, engine.sleep): agents' calls and rewards until the first trained version serves."""
     import httpx
     import yaml
 
     base = model_dir(spec, work, device=device, save_dtype="bfloat16", tokenizer=True)
     port = free_port()
     gpu = device.startswith("cuda")
-    config = {"host": "127.0.0.1", "port": port, "model": str(base), "served_model_name": "gpu-check",
-              "engine": "vllm", "vllm_python": python,
-              "db_url": f"sqlite:///{work / 'serve.db'}",
+    engine: dict[str, Any] = {"kind": "vllm", "model": str(base), "served_model_name": "gpu-check",
+                              "vllm_python": python}
+    config = {"gateway": {"host": "127.0.0.1", "port": port}, "engine": engine,
+              "store": {"url": f"sqlite:///{work / 'serve.db'}"},
               "train": {"device": "cuda" if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32", "lora": True,
                         "mode": "sync", "batch_sessions": 8, "min_sessions": 8, "max_steps": 1, "poll_s": 0.2,
                         "group_settle_s": 0, "fill_timeout_s": 2, "micro_batch_tokens": 4096,
                         "checkpoint_dir": str(work / "serve-ckpt")}}
     if gpu:
-        config.update({"engine_gpus": [0], "engine_memory_share": memory_share, "engine_sleep": "auto"})
+        engine.update({"gpus": [0], "memory_share": memory_share, "sleep": "auto"})
         config["train"]["gpus"] = [0]  # type: ignore[index]
     config_path = work / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -1061,7 +1062,7 @@ def run_part3(part: Part, *, device: str, dtype: str, work: Path, explicit_pytho
     part.notes.append("prepared, not yet run on a GPU: vLLM 0.26.0 (the build for torch 2.11) is a wheel of about "
                       "321 MiB, over a device call's 64 MiB carry")
     python, why = vllm_python(explicit_python)
-    part.settings = {"device": device, "dtype": dtype, "vllm": why, "engine_memory_share": memory_share}
+    part.settings = {"device": device, "dtype": dtype, "vllm": why, "engine.memory_share": memory_share}
     if python is None:
         part.status = "skipped"
         part.results.append({"name": "vLLM", "status": "skipped", "reason": why})

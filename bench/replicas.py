@@ -7,7 +7,7 @@ failover when a replica is SIGKILLed under load.
 
 Routing arms (each a fresh `tracetrain serve` with its own SQLite store, in front of the same two vLLM
 servers, run in rotated order, `--repeats` times): `1 replica`, `2 replicas sticky` (the default
-routing), `2 replicas round-robin` (`replica_routing: round_robin`, no affinity). The workload is
+routing), `2 replicas round-robin` (`engine.routing: round_robin`, no affinity). The workload is
 fixed before the runs: `--agents` concurrent agents, each running sessions of `--turns` turns; every
 session opens with its own system prompt (unique, so only a session's own earlier turns can be
 cached; `--system-words`, default ~300 tokens) and its history grows turn by turn (by `--tool-words`
@@ -197,7 +197,7 @@ def routing_arms(args: argparse.Namespace, table: ResultTable) -> dict[str, list
                 urls = [s.url for s in servers[: ARMS[arm]]]
                 options = [x for url in urls for x in ("--engine-url", url)]
                 if "round-robin" in arm:
-                    options += ["--set", "replica_routing=round_robin"]
+                    options += ["--set", "engine.routing=round_robin"]
                 console.rule(f"repeat {repeat}: {arm}")
                 gateway, _ = start_gateway(arm.replace(" ", "-"), options)
                 try:
@@ -229,7 +229,7 @@ def failover(args: argparse.Namespace, table: ResultTable) -> dict[str, Any]:
     vllm_port = free_port()
     console.rule("failover: tracetrain serve --replicas 2, one SIGKILLed under load")
     gateway, db_url = start_gateway("failover", ["--replicas", "2", "--vllm-port", str(vllm_port),
-                                                    "--set", "vllm_listen=tcp"])  # the victim is found by port
+                                                    "--set", "engine.vllm_listen=tcp"])  # the victim is found by port
     victim_port = vllm_port + 1
     killed_at: list[float] = []
 

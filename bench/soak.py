@@ -329,11 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     db = OUT_DIR / f"soak-{port}.db"
     db_url = f"sqlite:///{db}"
     cmd = python_cmd("-m", "tracetrain.cli", "serve", "--engine", "vllm", "--served-model-name", MODEL,
-                     "--port", str(port), "--db-url", db_url, "--set", "promotion=canary",
-                     "--set", "train.publish=lora", "--set", f"canary_share={args.share}",
-                     "--set", f"canary_min_sessions={args.min_sessions}",
-                     "--set", f"canary_max_sessions={args.max_sessions}", "--set", f"canary_margin={args.margin}",
-                     "--set", "log_level=WARNING")
+                     "--port", str(port), "--db-url", db_url, "--set", "promotion.mode=canary",
+                     "--set", "train.publish=lora", "--set", f"promotion.canary_share={args.share}",
+                     "--set", f"promotion.min_sessions={args.min_sessions}",
+                     "--set", f"promotion.max_sessions={args.max_sessions}", "--set", f"promotion.margin={args.margin}",
+                     "--set", "gateway.log_level=WARNING")
     server = ServerProcess("soak-gateway", cmd, f"http://127.0.0.1:{port}").start(timeout=900)
     soak = Soak()
     stop_sampling = threading.Event()

@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-src", type=Path, help="also start a second gateway from this source tree on its own "
                    "store, and interleave its targets with the working tree's: an A/B in one run")
     p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for the gateway, e.g. TRACETRAIN_SQLITE_SYNCHRONOUS=NORMAL (repeatable)")
+                   help="environment for the gateway, e.g. TRACETRAIN_STORE__SQLITE_SYNCHRONOUS=NORMAL (repeatable)")
     p.add_argument("--phase-timeout", type=float, default=180.0, help="stop sending in a phase after this (s)")
     add_results_dir_argument(p)
     return p

@@ -4,7 +4,7 @@
 
 The CPU is the serving core's redaction steps for one chat call (proxy/redact.py: the request's messages,
 then the reply, the token masks and the state hashes), timed in this process on the same user messages
-as the load generator sends (`workload`), against `redaction: off`, which still hashes the chain. With
+as the load generator sends (`workload`), against `gateway.redaction: off`, which still hashes the chain. With
 `--turns 8` the conversation grows, as an agent's does: every request is redacted whole. The detector
 table counts, per type, the corpus's values found (caught), not found (missed) and findings where the
 corpus has none of that type (false positives).

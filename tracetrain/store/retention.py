@@ -25,6 +25,8 @@ Cleared values must leave the files too, not only the rows:
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ from sqlmodel import Session, col, select
 from tracetrain.store import audit
 from tracetrain.store.models import PURGED_STATE, AgentSession, Call, utcnow
 from tracetrain.store.writer import WriteOp
+
+log = logging.getLogger(__name__)
 
 BATCH = 200
 """Sessions cleared per transaction: each adds its calls' updates to the writer's transaction, so a batch is
@@ -190,14 +194,26 @@ def compact_search_index(db: Session, *, pages: int = 64) -> bool:
     return bool(after - before > 1)
 
 
-def checkpoint(engine: Engine) -> None:
+CHECKPOINT_TRIES = 50
+CHECKPOINT_PAUSE_S = 0.1
+
+
+def checkpoint(engine: Engine) -> bool:
     """Copy SQLite's WAL into the database file and truncate it, so the old page images of cleared values
-    leave the WAL; a no-op on PostgreSQL. Best effort: a reader still on an old snapshot keeps the WAL until
-    it ends, and the next checkpoint (SQLite runs them on its own) overwrites it."""
+    leave the WAL; a no-op on PostgreSQL. Returns whether the WAL was emptied. A reader still on an old
+    snapshot (a console query, the search indexer) makes the checkpoint busy; those are short, so it tries
+    again for a few seconds before it gives up with a warning (SQLite's own checkpoints overwrite the WAL
+    later)."""
     if engine.dialect.name != "sqlite":
-        return
-    with engine.connect() as conn:
-        conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        return True
+    for _ in range(CHECKPOINT_TRIES):
+        with engine.connect() as conn:
+            row = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").first()
+        if row is None or not row[0]:  # (busy, WAL frames, frames checkpointed)
+            return True
+        time.sleep(CHECKPOINT_PAUSE_S)
+    log.warning("the WAL could not be emptied after a purge: a reader held an old snapshot throughout")
+    return False
 
 
 COMPACT_STEPS = 256

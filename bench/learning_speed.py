@@ -504,7 +504,7 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     from sqlmodel import Session
 
     from tracetrain.store import queries
-    from tracetrain.store.db import open_engine
+    from tracetrain.store.db import connect_db
 
     document = json.loads((RESULTS_DIR / "learning_speed.json").read_text())
     started = run_started()
@@ -518,7 +518,7 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
         store = OUT_DIR / "learning_speed" / args.output / f"{run.arm}-s{run.seed}-lr{run.lr:g}" / "store.db"
         if ARMS[run.arm].framework != "tracetrain" or not store.exists():
             continue
-        with Session(open_engine(f"sqlite:///{store}")) as db:
+        with Session(connect_db(f"sqlite:///{store}")) as db:
             policies = [p.model_dump(mode="json") for p in queries.list_policies(db)]
         run.step_samples, run.sessions_per_step = step_sizes(policies)
         run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None

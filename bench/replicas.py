@@ -151,10 +151,10 @@ def start_gateway(name: str, options: list[str]) -> tuple[ServerProcess, str]:
 
 
 def stored_ids(db_url: str) -> set[str]:
-    from tracetrain.store.db import open_engine
+    from tracetrain.store.db import connect_db
     from tracetrain.store.models import Call
 
-    with Session(open_engine(db_url)) as db:
+    with Session(connect_db(db_url)) as db:
         return set(db.exec(select(Call.completion_id)).all())
 
 

@@ -195,9 +195,9 @@ def sampler(pid: int, soak: Soak, stop: threading.Event, every_s: float) -> None
 # --- report ----------------------------------------------------------------------------------------------
 
 def stored_ids(db_url: str) -> set[str]:
-    from tracetrain.store.db import open_engine
+    from tracetrain.store.db import connect_db
 
-    with open_engine(db_url).connect() as conn:
+    with connect_db(db_url).connect() as conn:
         return {row[0] for row in conn.execute(text("SELECT completion_id FROM calls")).all()}
 
 

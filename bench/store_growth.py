@@ -38,7 +38,7 @@ from bench.common import (
 )
 from tracetrain.engines.models import tiny_model_dir
 from tracetrain.store import queries
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.messages import full_messages
 from tracetrain.store.models import Call
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
     before: dict[int, list[int]] = {}
     now: dict[int, list[int]] = {}
-    with Session(make_engine(db_url)) as db:
+    with Session(open_db(db_url)) as db:
         for k in range(args.sessions):
             calls = list(queries.session_calls(db, session_id=f"long-{k}"))
             by_id = {c.id: c for c in calls}

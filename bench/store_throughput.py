@@ -45,7 +45,7 @@ from bench.common import (
 )
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call
 from tracetrain.store.writer import StoreWriter, WriteOp
 
@@ -147,7 +147,7 @@ class Result:
 
 
 async def measure(
-    engine: Engine,
+    db: Engine,
     store: str,
     concurrency: int,
     seconds: float,
@@ -156,7 +156,7 @@ async def measure(
     tag: str,
 ) -> Result:
     """Run `concurrency` submitters for warm-up + `seconds`; count what committed in the window."""
-    writer = StoreWriter(engine)
+    writer = StoreWriter(db)
     await writer.start()
     rows = Rows(shape)
     window = {"open": False}
@@ -250,11 +250,11 @@ def run(
                 with _database_factory(store, tmp) as new_database:
                     for c in concurrencies:
                         progress.update(task, description=f"{STORES[store]} · {c} submitters")
-                        engine = new_database(f"{store.replace('-', '_')}_{c}")
+                        db = new_database(f"{store.replace('-', '_')}_{c}")
                         try:
-                            results.append(asyncio.run(measure(engine, store, c, seconds, warmup, shape, tag)))
+                            results.append(asyncio.run(measure(db, store, c, seconds, warmup, shape, tag)))
                         finally:
-                            engine.dispose()
+                            db.dispose()
                         progress.advance(task)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -263,13 +263,13 @@ def run(
 
 @contextmanager
 def _database_factory(store: str, tmp: Path) -> Iterator[Callable[[str], Engine]]:
-    """Yields `new(name) -> engine` over a fresh database per configuration."""
+    """Yields `new(name) -> db` over a fresh database per configuration."""
     if store.startswith("sqlite"):
         synchronous = "FULL" if store == "sqlite-full" else "NORMAL"
-        yield lambda name: make_engine(f"sqlite:///{tmp / name}.db", sqlite_synchronous=synchronous)
+        yield lambda name: open_db(f"sqlite:///{tmp / name}.db", sqlite_synchronous=synchronous)
         return
     with postgres(fsync=store == "pg") as create_database:
-        yield lambda name: make_engine(create_database(name))
+        yield lambda name: open_db(create_database(name))
 
 
 def report(results: list[Result], shape: RowShape) -> ResultTable:

@@ -144,12 +144,12 @@ def serve(config: Config, *, train: bool = False) -> None:
 
     from tracetrain.compose import build_gateway, trainer_service
     from tracetrain.proxy.app import build_app
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
     # The store first: an out-of-date one is refused before vLLM spends a minute starting.
-    db = make_engine(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous)
+    db = open_db(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous)
     with ExitStack() as stack:
         engine = build_engine(config, model_dir, stack)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -192,11 +192,11 @@ def serve_workers(config: Config) -> None:
     import threading
 
     from tracetrain.proxy.processes import run_workers
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
     model_dir = _model_dir(config)
-    db = make_engine(config.store.url)  # an out-of-date store is refused once, here
+    db = open_db(config.store.url)  # an out-of-date store is refused once, here
     with ExitStack() as stack:
         servers = [] if config.engine.urls else start_vllm_servers(config, model_dir, stack)
         urls = config.engine.urls or [server.url for server in servers]
@@ -246,14 +246,14 @@ def worker_app() -> Any:
 
     from tracetrain.compose import build_gateway
     from tracetrain.proxy.app import build_app
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
 
     config = Config.model_validate_json(os.environ[WORKER_CONFIG])
     logging.basicConfig(level=config.gateway.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = _model_dir(config)
     engine = build_engine(config, model_dir, ExitStack())  # by URL: nothing to stop
     gateway = build_gateway(config, engine, AutoTokenizer.from_pretrained(str(model_dir)),
-                            make_engine(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous),
+                            open_db(config.store.url, sqlite_synchronous=config.store.sqlite_synchronous),
                             publisher=build_publisher(config, engine, model_dir))
     return build_app(gateway)
 
@@ -289,29 +289,29 @@ def _check_trainer(config: Config) -> None:
 
 
 def train_cmd(args: argparse.Namespace, config: Config) -> None:
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
     from tracetrain.trainer.service import run_standalone
 
     log.info("resolved config:\n%s", json.dumps(_redacted(config), indent=2, default=str))
-    run_standalone(config.train, make_engine(config.store.url), _model_dir(config), args.gateway_url,
+    run_standalone(config.train, open_db(config.store.url), _model_dir(config), args.gateway_url,
                    config.gateway.admin_key)
 
 
 def db_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store import schema
-    from tracetrain.store.db import open_engine
+    from tracetrain.store.db import connect_db
 
     if args.action == "purge":
         purge_cmd(config)
         return
-    engine = open_engine(config.store.url)
+    db = connect_db(config.store.url)
     if args.action == "current":
-        current, has_tables = schema.revision(engine)
+        current, has_tables = schema.revision(db)
         found = current or ("tracetrain 0.1 (no revision)" if has_tables else "empty")
         print(f"store schema: {found}; this tracetrain: {schema.head()}")
         return
     try:
-        before, after = schema.upgrade(engine)
+        before, after = schema.upgrade(db)
     except schema.StoreOutOfDate as exc:
         raise SystemExit(str(exc)) from exc
     print(f"store schema: {before or 'none'} -> {after}")
@@ -323,22 +323,22 @@ def purge_cmd(config: Config) -> None:
 
     from tracetrain.proxy.auth import fingerprint
     from tracetrain.store import retention
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
     from tracetrain.store.writer import StoreWriter
 
     if not config.retains():
         print("nothing to purge: neither store.retention_days nor any key's retention_days is set")
         return
-    engine = make_engine(config.store.url)  # an out-of-date store is refused
+    db = open_db(config.store.url)  # an out-of-date store is refused
     rules = retention.Retention(config.store.retention_days, {
         fingerprint(key): days for key, days in config.gateway.retention_by_key().items()})
 
     async def run() -> int:
         # Through a store writer, as the gateway writes: on SQLite it takes turns with running gateways.
-        writer = StoreWriter(engine)
+        writer = StoreWriter(db)
         await writer.start()
         try:
-            return await retention.purge(writer.submit, engine, retention=rules, actor="cli")
+            return await retention.purge(writer.submit, db, retention=rules, actor="cli")
         finally:
             await writer.stop()
 
@@ -346,10 +346,10 @@ def purge_cmd(config: Config) -> None:
 
 
 def export_cmd(args: argparse.Namespace, config: Config) -> None:
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
     from tracetrain.store.export import export
 
-    rows = export(make_engine(config.store.url), Path(args.out), args.format)
+    rows = export(open_db(config.store.url), Path(args.out), args.format)
     print(f"wrote {rows} trajectory segments to {args.out}")
 
 

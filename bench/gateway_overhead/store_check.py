@@ -24,12 +24,12 @@ class StoreCheck:
 def check_store(db_url: str, received: set[str], expected_tokens: int | None) -> StoreCheck:
     from sqlalchemy import create_engine, text
 
-    engine = create_engine(db_url)
+    db = create_engine(db_url)
     try:
-        with engine.connect() as conn:
+        with db.connect() as conn:
             rows = conn.execute(text("SELECT completion_id, completion_tokens, link FROM calls")).all()
     finally:
-        engine.dispose()
+        db.dispose()
     stored = {row[0] for row in rows}
     wrong = None
     if expected_tokens is not None:

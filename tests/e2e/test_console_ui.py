@@ -25,7 +25,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.auth import fingerprint
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.trainer.loop import Trainer
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
 
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, max_staleness=100,
                       checkpoint_dir=tmp / "ckpt")
-    trainer = Trainer(cfg, make_engine(gw.gateway.config.store.url), tiny_model_path, publish=publish)
+    trainer = Trainer(cfg, open_db(gw.gateway.config.store.url), tiny_model_path, publish=publish)
     console = Console(gw, trainer)
     # agent-a: a group of arithmetic episodes (one of them two turns long), one about zebras, one still open
     console.episode(AGENT_A, "sum-1", "sums", 1.0, "What is 2 + 3?", "And 4 + 4?")

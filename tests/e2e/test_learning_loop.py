@@ -19,7 +19,7 @@ from sqlmodel import Session, col, select
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_publish import InProcessPublisher
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call, Policy
 from tracetrain.trainer.service import TrainerThread
 
@@ -44,7 +44,7 @@ def learning_gateway(tiny_model_path: Path, tmp_path: Path, request: pytest.Fixt
     cfg = _train_config(tmp_path, **getattr(request, "param", {}))
 
     def trainer(publish: Any, hold: Any) -> TrainerThread:
-        return TrainerThread(cfg, make_engine(db_url), tiny_model_path, publish=publish, hold=hold)
+        return TrainerThread(cfg, open_db(db_url), tiny_model_path, publish=publish, hold=hold)
 
     running = start_gateway(engine, tiny_model_path, db_url, publisher=InProcessPublisher(engine), services=[trainer])
     running.trainer = running.gateway.services[0]  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from tests.support.digit_model import REPLY_TOKENS, digit_ids, digit_model_dir, 
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_publish import InProcessPublisher
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.trainer.service import TrainerThread
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def signal_gateway(digit_model_path: Path, tmp_path: Path) -> Iterator[RunningGa
     db_url = f"sqlite:///{tmp_path / 'signal.db'}"
 
     def trainer(publish: Any, hold: Any) -> TrainerThread:
-        return TrainerThread(cfg, make_engine(db_url), tiny_model_path, publish=publish, hold=hold)
+        return TrainerThread(cfg, open_db(db_url), tiny_model_path, publish=publish, hold=hold)
 
     # Redaction off: the model writes 16 random digits, and about one such string in fifty passes the card
     # detector (issuer prefix, length and Luhn), which would mask a whole reply out of the task's figure.

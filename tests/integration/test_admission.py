@@ -19,7 +19,7 @@ from sqlmodel import Session
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.store import leases
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_new_sessions_wait_for_the_trainer_and_running_ones_never_do(admitting: 
     time.sleep(1.0)
     assert held.is_alive(), "held while the trainer has not claimed anything"
     # A trainer in another process claims through the store; the gateway sees it on its next look.
-    with Session(make_engine(gw.gateway.config.store.url)) as db:
+    with Session(open_db(gw.gateway.config.store.url)) as db:
         claimed_at = time.monotonic()
         assert len(leases.claim_groups(db, trainer_id="elsewhere", want=2, lease_s=60, min_version=None,
                                        settle_s=30)) >= 2

@@ -13,7 +13,7 @@ from sqlmodel import Session, select
 from tracetrain.config import TrainConfig
 from tracetrain.store import leases
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call, Reward, utcnow
 from tracetrain.trainer.batch import BatchGatherer
 
@@ -30,92 +30,92 @@ def _add(db: Session, sid: str, group: str, reward: float | None, *, version: in
         db.add(Reward(session_id=sid, value=reward, final=True))
 
 
-def _rows(engine: object) -> dict[str, tuple[int | None, str | None]]:
-    with Session(engine) as db:  # type: ignore[call-overload]
-        return {s.id: (s.trained_version, s.skip_reason) for s in db.exec(select(AgentSession)).all()}
+def _rows(db: object) -> dict[str, tuple[int | None, str | None]]:
+    with Session(db) as s:  # type: ignore[call-overload]
+        return {row.id: (row.trained_version, row.skip_reason) for row in s.exec(select(AgentSession)).all()}
 
 
 def test_claims_take_whole_groups_freshest_first(db_url: str) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
+    db = open_db(db_url)
+    with Session(db) as s:
         for i in range(2):
-            _add(db, f"old-{i}", "g-old", float(i), version=1, age_s=50)
-            _add(db, f"new-{i}", "g-new", float(i), version=3, age_s=40)
-            _add(db, f"mid-{i}", "g-mid", float(i), version=2, age_s=1)  # finished last, sampled earlier
-        db.commit()
-        assert (leases.ready_count(db), leases.leased_count(db)) == (6, 0)
-        assert sorted(leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=None,
+            _add(s, f"old-{i}", "g-old", float(i), version=1, age_s=50)
+            _add(s, f"new-{i}", "g-new", float(i), version=3, age_s=40)
+            _add(s, f"mid-{i}", "g-mid", float(i), version=2, age_s=1)  # finished last, sampled earlier
+        s.commit()
+        assert (leases.ready_count(s), leases.leased_count(s)) == (6, 0)
+        assert sorted(leases.claim_groups(s, trainer_id="t", want=4, lease_s=60, min_version=None,
                                           settle_s=30)) == ["mid-0", "mid-1", "new-0", "new-1"]
-        assert (leases.ready_count(db), leases.leased_count(db)) == (2, 4)  # claimed for a step in progress
+        assert (leases.ready_count(s), leases.leased_count(s)) == (2, 4)  # claimed for a step in progress
         # the staleness floor keeps older samples out of a claim altogether
-        assert leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=2, settle_s=30) == []
-        assert sorted(leases.claim_groups(db, trainer_id="t", want=4, lease_s=60, min_version=1,
+        assert leases.claim_groups(s, trainer_id="t", want=4, lease_s=60, min_version=2, settle_s=30) == []
+        assert sorted(leases.claim_groups(s, trainer_id="t", want=4, lease_s=60, min_version=1,
                                           settle_s=30)) == ["old-0", "old-1"]
 
 
 def test_a_group_with_a_running_member_waits_until_it_settles(db_url: str) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        _add(db, "a-0", "g-a", 1.0, age_s=5)
-        _add(db, "a-1", "g-a", None, age_s=5)  # still running, active 5 s ago
-        _add(db, "b-0", "g-b", 1.0, age_s=120)
-        _add(db, "b-1", "g-b", None, age_s=120)  # abandoned 2 minutes ago
-        db.commit()
+    db = open_db(db_url)
+    with Session(db) as s:
+        _add(s, "a-0", "g-a", 1.0, age_s=5)
+        _add(s, "a-1", "g-a", None, age_s=5)  # still running, active 5 s ago
+        _add(s, "b-0", "g-b", 1.0, age_s=120)
+        _add(s, "b-1", "g-b", None, age_s=120)  # abandoned 2 minutes ago
+        s.commit()
         claim = dict(trainer_id="t", want=8, lease_s=60, min_version=None)
-        assert leases.claim_groups(db, **claim, settle_s=30) == ["b-0"]  # type: ignore[arg-type]
+        assert leases.claim_groups(s, **claim, settle_s=30) == ["b-0"]  # type: ignore[arg-type]
         # once the first finished member is older than the settle time, a busy group is taken anyway
-        assert leases.claim_groups(db, **claim, settle_s=2) == ["a-0"]  # type: ignore[arg-type]
+        assert leases.claim_groups(s, **claim, settle_s=2) == ["a-0"]  # type: ignore[arg-type]
 
 
 def _gatherer(db_url: str, tmp_path: Path, **overrides: object) -> BatchGatherer:
     cfg = TrainConfig(**{"batch_sessions": 4, "min_sessions": 2, "max_staleness": 1, "fill_timeout_s": 1.5,
                          "poll_s": 0.05, "group_settle_s": 30, "checkpoint_dir": tmp_path, **overrides})  # type: ignore[arg-type]
-    return BatchGatherer(cfg, make_engine(db_url), "trainer-test")
+    return BatchGatherer(cfg, open_db(db_url), "trainer-test")
 
 
 def test_unusable_sessions_are_set_aside_not_consumed_and_replaced(db_url: str, tmp_path: Path) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        _add(db, "stale-0", "g-stale", 0.0, version=1, age_s=1)
-        _add(db, "stale-1", "g-stale", 1.0, version=1, age_s=1)
-        _add(db, "flat-0", "g-flat", 1.0, version=3, age_s=1)  # freshest, but every member scored the same
-        _add(db, "flat-1", "g-flat", 1.0, version=3, age_s=1)
+    db = open_db(db_url)
+    with Session(db) as s:
+        _add(s, "stale-0", "g-stale", 0.0, version=1, age_s=1)
+        _add(s, "stale-1", "g-stale", 1.0, version=1, age_s=1)
+        _add(s, "flat-0", "g-flat", 1.0, version=3, age_s=1)  # freshest, but every member scored the same
+        _add(s, "flat-1", "g-flat", 1.0, version=3, age_s=1)
         for g in ("x", "y"):
-            _add(db, f"{g}-0", f"g-{g}", 0.0, version=2, age_s=10)
-            _add(db, f"{g}-1", f"g-{g}", 1.0, version=2, age_s=10)
-        db.commit()
+            _add(s, f"{g}-0", f"g-{g}", 0.0, version=2, age_s=10)
+            _add(s, f"{g}-1", f"g-{g}", 1.0, version=2, age_s=10)
+        s.commit()
     batch = _gatherer(db_url, tmp_path).gather(3)  # trainer at version 3, max staleness 1: version 1 is stale
     assert batch is not None
     assert sorted(batch.session_ids) == ["x-0", "x-1", "y-0", "y-1"]  # the flat group was replaced
     assert dict(batch.set_aside) == {"stale": 2, "zero_variance": 2}
     assert batch.figures(3)["staleness"] == {"1": 4}
-    rows = _rows(engine)
+    rows = _rows(db)
     assert {k: v for k, v in rows.items() if v[1]} == {
         "stale-0": (None, "stale"), "stale-1": (None, "stale"),
         "flat-0": (None, "zero_variance"), "flat-1": (None, "zero_variance")}
-    with Session(engine) as db:
-        assert leases.set_aside_counts(db) == {"stale": 2, "zero_variance": 2}
+    with Session(db) as s:
+        assert leases.set_aside_counts(s) == {"stale": 2, "zero_variance": 2}
         # what the online trainer left is still there for offline algorithms
-        assert sorted(leases.claim_groups(db, trainer_id="sft", want=8, lease_s=60, min_version=None, settle_s=30,
+        assert sorted(leases.claim_groups(s, trainer_id="sft", want=8, lease_s=60, min_version=None, settle_s=30,
                                           include_set_aside=True)) == ["flat-0", "flat-1", "stale-0", "stale-1"]
 
 
 def test_a_step_waits_for_a_full_batch_within_a_bound(db_url: str, tmp_path: Path) -> None:
-    engine = make_engine(db_url)
+    db = open_db(db_url)
     gatherer = _gatherer(db_url, tmp_path)
     stop = threading.Event()
     result: list[object] = []
-    with Session(engine) as db:
-        _add(db, "a-0", "g-a", 0.0)  # one session: fewer than min_sessions
-        db.commit()
+    with Session(db) as s:
+        _add(s, "a-0", "g-a", 0.0)  # one session: fewer than min_sessions
+        s.commit()
     thread = threading.Thread(target=lambda: result.append(gatherer.gather(0, stop)))
     began = time.monotonic()
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive(), "a step does not train on fewer than min_sessions"
-    with Session(engine) as db:
-        _add(db, "a-1", "g-a", 1.0)  # the group now has 2 of the 4 wanted: min_sessions reached
-        db.commit()
+    with Session(db) as s:
+        _add(s, "a-1", "g-a", 1.0)  # the group now has 2 of the 4 wanted: min_sessions reached
+        s.commit()
     thread.join(timeout=10)
     waited = time.monotonic() - began
     (batch,) = result
@@ -123,15 +123,15 @@ def test_a_step_waits_for_a_full_batch_within_a_bound(db_url: str, tmp_path: Pat
     assert waited >= 1.0 + 1.5 - 0.2, "with min_sessions it still waited fill_timeout_s for a full batch"
 
     # a full batch goes at once; and a stopped wait hands its claims back
-    with Session(engine) as db:
+    with Session(db) as s:
         for i in range(4):
-            _add(db, f"b-{i}", "g-b", float(i % 2))
-        _add(db, "c-0", "g-c", 1.0, age_s=5)
-        db.commit()
+            _add(s, f"b-{i}", "g-b", float(i % 2))
+        _add(s, "c-0", "g-c", 1.0, age_s=5)
+        s.commit()
     began = time.monotonic()
     full = gatherer.gather(0, stop)
     assert full is not None and len(full.session_ids) == 4 and time.monotonic() - began < 1.0
     stop.set()
     assert gatherer.gather(0, stop) is None
-    with Session(engine) as db:
-        assert leases.ready_count(db) == 1, "c-0 was claimed, then released when the wait stopped"
+    with Session(db) as s:
+        assert leases.ready_count(s) == 1, "c-0 was claimed, then released when the wait stopped"

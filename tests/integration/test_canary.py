@@ -24,7 +24,7 @@ from tests.support.servers import RunningGateway, free_port, start_gateway
 from tests.support.tool_model import ADD_TOOL, QUESTION
 from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.promotion import assigned_to_canary
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession
 
 # Each test runs up to 120 agent episodes, until the sequential test decides on the canary.
@@ -125,7 +125,7 @@ def test_a_broken_version_is_rolled_back_and_only_its_share_saw_it(canary_gatewa
         "temperature": 0, "max_tokens": 40})
     assert again.headers["X-Policy-Version"] == "0"
     # Its sessions are kept but set aside from training.
-    with Session(make_engine(canary_gateway.gateway.config.store.url)) as db:
+    with Session(open_db(canary_gateway.gateway.config.store.url)) as db:
         rows = db.exec(select(AgentSession.id, AgentSession.skip_reason, AgentSession.policy_version)).all()
     assert {sid for sid, reason, v in rows if v == 1} == {s for s, (v, _) in served.items() if v == 1}
     assert all(reason == "rolled_back" for _, reason, v in rows if v == 1)

@@ -31,7 +31,7 @@ from tracetrain.proxy.auth import fingerprint
 from tracetrain.proxy.console_protocol import message_items
 from tracetrain.store import console, corrections, leases, schema, search_index
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine, open_engine
+from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.models import AgentSession, Call
 from tracetrain.trainer.batch import BatchGatherer
 from tracetrain.trainer.data import load_samples
@@ -162,7 +162,7 @@ def test_an_admin_clears_a_reward_override_and_the_posted_rewards_count_again(ke
     assert _post(keyed, "/v1/rewards", {"session_id": "o-1", "reward": 0.25}, AGENT_A).status_code == 200
     session = _get(keyed, "/v1/sessions/o-1", AGENT_A).json()
     assert (session["reward"], session["reward_override"], session["reward_total"]) == (1.75, None, 1.75)
-    with Session(make_engine(keyed.gateway.config.store.url)) as db:
+    with Session(open_db(keyed.gateway.config.store.url)) as db:
         assert {x.reward for x in load_samples(db, ["o-1"])} == {1.75}
     listed = _get(keyed, "/v1/sessions", ADMIN, reward_min=1.7).json()["data"]
     assert [s["id"] for s in listed] == ["o-1"], "the list filters on the posted rewards again"
@@ -198,19 +198,19 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
     policies = _get(gateway, "/v1/policies").json()["sessions"]
     assert policies == {"ready": 4, "leased": 0, "set_aside": {"excluded": 1}}
 
-    engine = make_engine(gateway.gateway.config.store.url)
-    with Session(engine) as db:
-        by_session = {x.session_id: x.reward for x in load_samples(db, list(rewards))}
+    db = open_db(gateway.gateway.config.store.url)
+    with Session(db) as s:
+        by_session = {x.session_id: x.reward for x in load_samples(s, list(rewards))}
     assert by_session == {"a0": 1.0, "a1": 0.0, "b0": 0.0, "b1": 1.0, "b2": 1.0}, "the override is the reward"
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
-    trainer = Trainer(cfg, engine, tiny_model_path)
+    trainer = Trainer(cfg, db, tiny_model_path)
     assert trainer.step_once() and trainer.version == 1
     assert trainer.counts["zero_variance"] == 0, "a1's override gave g-a a signal"
     listed = _get(gateway, "/v1/policies").json()
     figures = listed["data"][-1]["metrics"]
     assert figures["sessions"] == 4 and figures["reward_mean"] == pytest.approx(0.5)
     assert listed["sessions"] == {"ready": 0, "leased": 0, "set_aside": {"excluded": 1}}
-    trained = {s["id"]: s["trained_version"] for s in _get(gateway, "/v1/sessions").json()["data"]}
+    trained = {row["id"]: row["trained_version"] for row in _get(gateway, "/v1/sessions").json()["data"]}
     assert trained == {"a0": 1, "a1": 1, "b0": 1, "b1": 1, "b2": None}
     assert trainer.step_once() is False, "nothing else to train on: b2 stays out"
 
@@ -219,23 +219,23 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
 
 
 def test_excluded_sessions_are_never_claimed_on_either_store(db_url: str, tmp_path: Path) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
+    db = open_db(db_url)
+    with Session(db) as s:
         for i in range(3):
-            add_session(db, f"s{i}", "g", float(i))
-        db.commit()
-        assert corrections.set_excluded(db, session_id="s1", excluded=True, actor="a" * 32, note="n") is not None
-        assert corrections.override_reward(db, session_id="s2", reward=-1.0, actor=None) is not None
-        assert corrections.set_excluded(db, session_id="missing", excluded=True, actor=None) is None
-        db.commit()
-        assert leases.ready_count(db) == 2
-        assert leases.set_aside_counts(db) == {"excluded": 1}
+            add_session(s, f"s{i}", "g", float(i))
+        s.commit()
+        assert corrections.set_excluded(s, session_id="s1", excluded=True, actor="a" * 32, note="n") is not None
+        assert corrections.override_reward(s, session_id="s2", reward=-1.0, actor=None) is not None
+        assert corrections.set_excluded(s, session_id="missing", excluded=True, actor=None) is None
+        s.commit()
+        assert leases.ready_count(s) == 2
+        assert leases.set_aside_counts(s) == {"excluded": 1}
         # offline consumers (SFT, DPO, export jobs) do not get it either
-        assert sorted(leases.claim_sessions(db, trainer_id="offline", limit=10, lease_s=-1)) == ["s0", "s2"]
-        assert sorted(leases.claim_groups(db, trainer_id="sft", want=10, lease_s=-1, min_version=None,
+        assert sorted(leases.claim_sessions(s, trainer_id="offline", limit=10, lease_s=-1)) == ["s0", "s2"]
+        assert sorted(leases.claim_groups(s, trainer_id="sft", want=10, lease_s=-1, min_version=None,
                                           settle_s=0, include_set_aside=True)) == ["s0", "s2"]
-        assert [a.action for a in corrections.session_actions(db, session_id="s1")] == ["exclude"]
-    gatherer = BatchGatherer(TrainConfig(batch_sessions=4, min_sessions=1, checkpoint_dir=tmp_path), engine, "t")
+        assert [a.action for a in corrections.session_actions(s, session_id="s1")] == ["exclude"]
+    gatherer = BatchGatherer(TrainConfig(batch_sessions=4, min_sessions=1, checkpoint_dir=tmp_path), db, "t")
     batch = gatherer.gather(0)
     assert batch is not None and sorted(batch.session_ids) == ["s0", "s2"]
     assert sorted(x.reward for x in batch.samples) == [-1.0, 0.0]
@@ -316,69 +316,69 @@ def _tool_session(db: Session, sid: str = "tools") -> None:
 
 
 def test_the_session_list_filters_on_either_store(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
+    db = open_db(db_url)
+    with Session(db) as s:
         for i in range(4):
-            add_session(db, f"s{i}", f"g{i % 2}", float(i))
-        db.add(AgentSession(id="text", group_id="g1", model="tiny"))
-        db.add(Call(id="text-c", completion_id="chatcmpl-text", session_id="text", group_id="g1", link="start",
-                    model="tiny", state_hash="text", prompt_ids=encode_ids([1]), completion_ids=encode_ids([2]),
-                    completion_logprobs=encode_floats([-1.0]), response_message={"role": "assistant", "content": "ok"},
-                    messages=[{"role": "user", "content": "Où est le Zèbre? 100%"}]))
-        db.commit()
-    with Session(engine) as db:
-        page, total = console.search_sessions(db, where=console.SessionFilter(), sort="created", limit=2)
+            add_session(s, f"s{i}", f"g{i % 2}", float(i))
+        s.add(AgentSession(id="text", group_id="g1", model="tiny"))
+        s.add(Call(id="text-c", completion_id="chatcmpl-text", session_id="text", group_id="g1", link="start",
+                   model="tiny", state_hash="text", prompt_ids=encode_ids([1]), completion_ids=encode_ids([2]),
+                   completion_logprobs=encode_floats([-1.0]), response_message={"role": "assistant", "content": "ok"},
+                   messages=[{"role": "user", "content": "Où est le Zèbre? 100%"}]))
+        s.commit()
+    with Session(db) as s:
+        page, total = console.search_sessions(s, where=console.SessionFilter(), sort="created", limit=2)
         assert len(page) == 2 and total == 5
         for text, found in (("zèbre", ["text"]), ("EST LE", ["text"]), ("100%", ["text"]), ("0%", ["text"]),
                             ("1_0", []), ("%", ["text"]), ("le zebre", [])):
             # case-insensitive (ASCII letters everywhere), wildcards taken literally
-            rows, total = console.search_sessions(db, where=console.SessionFilter(text=text))
+            rows, total = console.search_sessions(s, where=console.SessionFilter(text=text))
             assert [r.id for r in rows] == found and total == len(found), text
-        assert console.search_sessions(db, where=console.SessionFilter(group_id="g1", text="zzz"))[1] == 0
-        _tool_session(db)
-        db.commit()
+        assert console.search_sessions(s, where=console.SessionFilter(group_id="g1", text="zzz"))[1] == 0
+        _tool_session(s)
+        s.commit()
         searches = {"quokkaseven": ["tools"],  # only in a tool result, added by the session's second call
                     "QUOKKA": ["tools"], "reykjavik": ["tools"],  # a tool call's arguments, in the reply
                     "It Is Sunny": ["tools"], "TOOL_CALL_ID": ["tools"], "sunny, quokka": ["tools"],
                     "zèbre": ["text"], "100%": ["text"], "sunny quokka": [], "quokkaseven!": []}
 
         def results() -> dict[str, list[str]]:
-            return {q: [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]]
+            return {q: [r.id for r in console.search_sessions(s, where=console.SessionFilter(text=q))[0]]
                     for q in searches}
 
         assert results() == searches  # SQLite: the calls are not indexed yet, the search reads them
-        if search_index.batched(db):
-            assert search_index.index_new_calls(db) == 7  # every call stored above
-            db.commit()
+        if search_index.batched(s):
+            assert search_index.index_new_calls(s) == 7  # every call stored above
+            s.commit()
         assert results() == searches  # SQLite: now through the index
         # A common text pages by scanning sessions in order (and counts through the index): same answers.
         monkeypatch.setattr(console, "COMMON_CALLS", 1)
         assert results() == searches
-        page, total = console.search_sessions(db, where=console.SessionFilter(text="role"), limit=2)
+        page, total = console.search_sessions(s, where=console.SessionFilter(text="role"), limit=2)
         assert len(page) == 2 and total == 2, "only the stored messages of 'text' and 'tools' have a role"
         monkeypatch.undo()
         # The index follows the calls: a changed message, a deleted call.
-        db.exec(sql("UPDATE calls SET messages = '[{\"content\": \"Wombat\"}]' WHERE id = 'tools-c1'"))  # type: ignore[call-overload]
-        db.commit()
-        assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="wombat"))[0]] == ["tools"]
-        assert console.search_sessions(db, where=console.SessionFilter(text="quokkaseven"))[1] == 0
-        db.exec(sql("DELETE FROM calls WHERE session_id = 'tools'"))  # type: ignore[call-overload]
-        db.commit()
-        assert console.search_sessions(db, where=console.SessionFilter(text="wombat"))[1] == 0
-        assert console.search_sessions(db, where=console.SessionFilter(text="reykjavik"))[1] == 0
-        corrections.override_reward(db, session_id="s1", reward=9.0, actor=None)
-        db.commit()
-        top, _ = console.search_sessions(db, where=console.SessionFilter(reward_min=5), sort="reward")
-        assert [s.id for s in top] == ["s1"]
-        assert console.version_spans(db, session_ids=["s0", "text"]) == {"s0": (0, 0), "text": (0, 0)}
+        s.exec(sql("UPDATE calls SET messages = '[{\"content\": \"Wombat\"}]' WHERE id = 'tools-c1'"))  # type: ignore[call-overload]
+        s.commit()
+        assert [r.id for r in console.search_sessions(s, where=console.SessionFilter(text="wombat"))[0]] == ["tools"]
+        assert console.search_sessions(s, where=console.SessionFilter(text="quokkaseven"))[1] == 0
+        s.exec(sql("DELETE FROM calls WHERE session_id = 'tools'"))  # type: ignore[call-overload]
+        s.commit()
+        assert console.search_sessions(s, where=console.SessionFilter(text="wombat"))[1] == 0
+        assert console.search_sessions(s, where=console.SessionFilter(text="reykjavik"))[1] == 0
+        corrections.override_reward(s, session_id="s1", reward=9.0, actor=None)
+        s.commit()
+        top, _ = console.search_sessions(s, where=console.SessionFilter(reward_min=5), sort="reward")
+        assert [row.id for row in top] == ["s1"]
+        assert console.version_spans(s, session_ids=["s0", "text"]) == {"s0": (0, 0), "text": (0, 0)}
 
 
 def test_an_upgraded_store_searches_its_earlier_calls_through_the_index(db_url: str) -> None:
     """Migration 0005 indexes the calls already stored (on SQLite its triggers then keep new ones)."""
-    engine = open_engine(db_url)
-    with engine.begin() as connection:
+    db = connect_db(db_url)
+    with db.begin() as connection:
         command.upgrade(schema._config(connection), "0004")
-    with engine.begin() as connection:  # rows as 0004 has them
+    with db.begin() as connection:  # rows as 0004 has them
         connection.execute(sql("INSERT INTO sessions (id, group_id, status, created_at, updated_at, calls, tokens, "
                                 "excluded) VALUES ('old', 'g', 'open', '2026-01-01', '2026-01-01', 1, 2, false)"))
         connection.execute(
@@ -389,20 +389,20 @@ def test_an_upgraded_store_searches_its_earlier_calls_through_the_index(db_url: 
                  "0.0, '2026-01-01', 'h', :ids, :ids, :logprobs, :messages, 0, :reply, '{}')"),
             {"ids": encode_ids([1]), "logprobs": encode_floats([-1.0]), "messages": '[{"role": "tool", "content": '
              '"Platypus"}]', "reply": '{"role": "assistant", "content": "ok"}'})
-    schema.upgrade(engine)
-    with Session(make_engine(db_url)) as db:
-        _tool_session(db, "new")
-        db.commit()
+    schema.upgrade(db)
+    with Session(open_db(db_url)) as s:
+        _tool_session(s, "new")
+        s.commit()
         for q, found in (("PLATYPUS", ["old"]), ("quokkaseven", ["new"]), ("PLATYPUS!", [])):
-            assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]] == found, q
-        if engine.dialect.name == "sqlite":  # the earlier call indexed by the migration, the new ones in a batch
-            assert db.exec(sql("SELECT count(*) FROM call_search_rows")).one() == (1,)  # type: ignore[call-overload]
-            assert search_index.index_new_calls(db) == 2
-            db.commit()
+            assert [r.id for r in console.search_sessions(s, where=console.SessionFilter(text=q))[0]] == found, q
+        if db.dialect.name == "sqlite":  # the earlier call indexed by the migration, the new ones in a batch
+            assert s.exec(sql("SELECT count(*) FROM call_search_rows")).one() == (1,)  # type: ignore[call-overload]
+            assert search_index.index_new_calls(s) == 2
+            s.commit()
             for q, found in (("PLATYPUS", ["old"]), ("quokkaseven", ["new"])):
-                assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text=q))[0]] == found
+                assert [r.id for r in console.search_sessions(s, where=console.SessionFilter(text=q))[0]] == found
         else:
-            indexes = db.exec(sql("SELECT indexname FROM pg_indexes WHERE tablename = 'calls'")).all()  # type: ignore[call-overload]
+            indexes = s.exec(sql("SELECT indexname FROM pg_indexes WHERE tablename = 'calls'")).all()  # type: ignore[call-overload]
             assert {"ix_calls_messages_trgm", "ix_calls_response_message_trgm"} <= {i for (i,) in indexes}
 
 
@@ -410,36 +410,36 @@ def test_downgrading_from_batched_indexing_indexes_what_was_pending(tmp_path: Pa
     """0007 → 0006 puts back the per-call trigger, which would never index calls recorded since the last
     batch: the downgrade indexes them first; up again, the mark starts past every call."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
-    with Session(make_engine(url)) as db:
-        _tool_session(db)
-        db.commit()
-    engine = open_engine(url)
-    with engine.begin() as connection:
+    with Session(open_db(url)) as s:
+        _tool_session(s)
+        s.commit()
+    db = connect_db(url)
+    with db.begin() as connection:
         command.downgrade(schema._config(connection), "0006")
     rows = sql("SELECT count(*) FROM call_search_rows")
-    with engine.connect() as connection:
+    with db.connect() as connection:
         assert connection.execute(rows).one() == (2,)
     call = _stored_call("tools", 2, [{"role": "user", "content": "Echidna"}], {"role": "assistant", "content": "ok"})
-    with engine.begin() as connection:  # the trigger indexes as calls are written
+    with db.begin() as connection:  # the trigger indexes as calls are written
         # The columns of 0006's `calls` only: the model carries those added since.
         present = {column["name"] for column in inspect(connection).get_columns("calls")}
         table = Call.__table__  # type: ignore[attr-defined]
         connection.execute(table.insert().values({k: v for k, v in call.model_dump().items() if k in present}))
-    with engine.connect() as connection:
+    with db.connect() as connection:
         assert connection.execute(rows).one() == (3,)
-    schema.upgrade(engine)
-    with Session(engine) as db:
-        assert search_index.index_new_calls(db) == 0
-        assert [r.id for r in console.search_sessions(db, where=console.SessionFilter(text="echidna"))[0]] == ["tools"]
+    schema.upgrade(db)
+    with Session(db) as s:
+        assert search_index.index_new_calls(s) == 0
+        assert [r.id for r in console.search_sessions(s, where=console.SessionFilter(text="echidna"))[0]] == ["tools"]
 
 
 def test_the_gateway_indexes_its_calls_in_the_background(gateway: RunningGateway) -> None:
     client = OpenAI(base_url=gateway.v1("indexed"), api_key="unused")
     client.chat.completions.create(model=gateway.gateway.config.engine.served_model_name, max_tokens=4,
                                    messages=[{"role": "user", "content": "Say Numbat."}])
-    engine = make_engine(gateway.gateway.config.store.url)
+    db = open_db(gateway.gateway.config.store.url)
     deadline = time.monotonic() + 10
-    with engine.connect() as connection:
+    with db.connect() as connection:
         while connection.execute(sql("SELECT count(*) FROM call_search_rows")).one() != (1,):
             assert time.monotonic() < deadline, "the call was not indexed"
             time.sleep(0.2)
@@ -450,7 +450,7 @@ def test_the_gateway_indexes_its_calls_in_the_background(gateway: RunningGateway
 def test_a_deleted_newest_call_s_rowid_given_again_is_indexed_again(tmp_path: Path) -> None:
     """SQLite hands the rowid of a deleted newest row out again: the mark steps back, so the call that gets
     it is searched (past the mark) and then indexed, not skipped as indexed already."""
-    with Session(make_engine(f"sqlite:///{tmp_path / 'store.db'}")) as db:
+    with Session(open_db(f"sqlite:///{tmp_path / 'store.db'}")) as db:
         _tool_session(db)
         db.commit()
         assert search_index.index_new_calls(db) == 2

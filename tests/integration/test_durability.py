@@ -21,7 +21,7 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from tests.support.servers import PostgresCluster, free_port
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import Call, Reward
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ async def test_sigkill_under_load_loses_no_answered_call(tiny_model_path: Path, 
     db_url = durable_db_url
     if db_url.startswith("postgresql"):
         # The point of this variant: commits the server acknowledged are flushed to disk.
-        probe = create_engine(db_url)  # not make_engine: leave creating the tables to the gateway
+        probe = create_engine(db_url)  # not open_db: leave creating the tables to the gateway
         with probe.connect() as conn:
             settings = {name: conn.exec_driver_sql(f"SHOW {name}").scalar()
                         for name in ("fsync", "synchronous_commit", "full_page_writes")}
@@ -159,7 +159,7 @@ async def test_sigkill_under_load_loses_no_answered_call(tiny_model_path: Path, 
 
     assert answered.calls() >= KILL_AFTER, log.read_text()[-2000:]
     assert len(answered.streamed) >= MIN_STREAMED, log.read_text()[-2000:]
-    with Session(make_engine(db_url)) as db:
+    with Session(open_db(db_url)) as db:
         stored = set(db.exec(select(Call.completion_id)).all())
         stored_rewards = set(db.exec(select(Reward.session_id)).all())
     missing_plain = set(answered.plain) - stored

@@ -47,7 +47,7 @@ from tests.integration.test_durability import _start_gateway
 from tests.support.servers import PostgresCluster, free_port
 from tests.support.sessions import add_session
 from tests.support.setup_steps import POSTGRES_MISSING, VLLM_MISSING
-from tracetrain.store.db import make_engine, open_engine
+from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.models import AgentSession, Call, Policy, Reward
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -234,7 +234,7 @@ async def wait_for(check: Any, timeout: float, what: str, load: asyncio.Task[Non
 
 def stored(db_url: str) -> tuple[set[str], set[str]]:
     """(completion ids of stored calls, ids of stored rewards)."""
-    db = open_engine(db_url)
+    db = connect_db(db_url)
     try:
         with Session(db) as s:
             return set(s.exec(select(Call.completion_id)).all()), {str(i) for i in s.exec(select(Reward.id)).all()}
@@ -391,7 +391,7 @@ async def test_disk_full_under_load(tiny_model_path: Path, small_disk: Path, tmp
     alive = gateway.poll() is None
     _stop_gateway(gateway)
 
-    check = open_engine(db_url)
+    check = connect_db(db_url)
     with check.connect() as conn:
         integrity = conn.execute(text("PRAGMA integrity_check")).scalar()
     check.dispose()
@@ -495,7 +495,7 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 def add_groups(db_url: str, first: int, count: int) -> list[str]:
     """`count` finished sessions in groups of two, one rewarded 1 and one 0 (a signal for rloo)."""
     ids = [f"s{i:02d}" for i in range(first, first + count)]
-    db = make_engine(db_url)
+    db = open_db(db_url)
     with Session(db) as s:
         for i, sid in enumerate(ids):
             add_session(s, sid, f"g{(first + i) // 2}", float(i % 2))
@@ -506,7 +506,7 @@ def add_groups(db_url: str, first: int, count: int) -> list[str]:
 
 def sessions_state(db_url: str) -> dict[str, tuple[int | None, str | None]]:
     """Session id -> (trained version, lease owner)."""
-    db = open_engine(db_url)
+    db = connect_db(db_url)
     with Session(db) as s:
         rows = {a.id: (a.trained_version, a.lease_owner) for a in s.exec(select(AgentSession)).all()}
     db.dispose()
@@ -514,7 +514,7 @@ def sessions_state(db_url: str) -> dict[str, tuple[int | None, str | None]]:
 
 
 def policies(db_url: str) -> dict[int, Policy]:
-    db = open_engine(db_url)
+    db = connect_db(db_url)
     with Session(db) as s:
         rows = {p.version: p for p in s.exec(select(Policy)).all()}
     db.dispose()

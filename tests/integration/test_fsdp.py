@@ -133,11 +133,11 @@ def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, t
     from sqlmodel import Session
 
     from tests.support.sessions import add_session
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
     from tracetrain.store.models import Policy
     from tracetrain.trainer.loop import Trainer
 
-    db = make_engine(f"sqlite:///{tmp_path / 't.db'}")
+    db = open_db(f"sqlite:///{tmp_path / 't.db'}")
     with Session(db) as s:
         for i in range(8):
             add_session(s, f"a{i}", f"g{i // 4}", float(i % 2))

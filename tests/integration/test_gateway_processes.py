@@ -23,7 +23,7 @@ from sqlmodel import Session, select
 
 from tests.integration.test_durability import _start_gateway
 from tests.support.servers import PostgresCluster, free_port
-from tracetrain.store.db import open_engine
+from tracetrain.store.db import connect_db
 from tracetrain.store.models import Call, Reward
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def chat(url: str, session: str, messages: list[dict[str, Any]]) -> dict[str, An
 
 
 def calls(db_url: str, session: str) -> list[Call]:
-    with Session(open_engine(db_url)) as db:
+    with Session(connect_db(db_url)) as db:
         return list(db.exec(select(Call).where(Call.session_id == session).order_by(Call.seq)).all())  # type: ignore[arg-type]
 
 
@@ -131,7 +131,7 @@ def test_an_idempotent_reward_posted_to_both_at_once_is_stored_once(two_gateways
                                                "idempotency_key": f"grader-{attempt}"})
         assert sorted(a["duplicate"] for a in answers) == [False, True]
         assert answers[0]["id"] == answers[1]["id"]
-    with Session(open_engine(db_url)) as db:
+    with Session(connect_db(db_url)) as db:
         assert len(db.exec(select(Reward).where(Reward.session_id == "rewarded")).all()) == 5
 
 

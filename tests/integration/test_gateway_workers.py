@@ -30,7 +30,7 @@ from tests.integration.test_publish import (
     save_lora,
 )
 from tests.support.servers import free_port, wait_until_healthy
-from tracetrain.store.db import open_engine
+from tracetrain.store.db import connect_db
 from tracetrain.store.models import Policy, utcnow
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def publish_through(url: str, db_url: str, policy: Policy) -> None:
                           json={"version": policy.version, "checkpoint": policy.checkpoint, "kind": policy.kind})
     assert response.status_code == 200, response.text
     policy.published_at = utcnow()
-    with Session(open_engine(db_url)) as db:
+    with Session(connect_db(db_url)) as db:
         db.add(policy)
         db.commit()
 

@@ -12,7 +12,7 @@ from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.store import export, queries
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.messages import call_messages, full_messages
 
 
@@ -49,15 +49,15 @@ def test_a_long_session_stores_its_history_once_and_reads_back_what_was_sent(
     finally:
         second.stop()
 
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        calls = list(queries.session_calls(db, session_id="long"))
+    db = open_db(db_url)
+    with Session(db) as s:
+        calls = list(queries.session_calls(s, session_id="long"))
         by_id = {c.id: c for c in calls}
         assert [full_messages(c, by_id) for c in calls] == sent
-        assert call_messages(db, call=calls[-2]) == sent[-2]
+        assert call_messages(s, call=calls[-2]) == sent[-2]
     stored = [len(c.messages) for c in calls]
     assert stored[0] == 2 and stored[1:-1] == [2] * (len(sent) - 2), "after the first: the reply echoed, a question"
     # rewritten history starts a new segment with no parent call: its messages are stored whole
     assert (calls[-1].messages_inherited, len(calls[-1].messages)) == (0, len(sent[-1]))
-    (row,) = [r for r in export.iter_rows(engine) if r["call_ids"][-1] == calls[-2].id]
+    (row,) = [r for r in export.iter_rows(db) if r["call_ids"][-1] == calls[-2].id]
     assert row["prompt"] == sent[-2]

@@ -18,7 +18,7 @@ from sqlmodel import Session
 from tracetrain.config import TrainConfig
 from tracetrain.store import audit, queries, schema
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine, open_engine
+from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.messages import call_messages
 from tracetrain.store.models import AgentSession, utcnow
 from tracetrain.store.trajectory import session_trajectories
@@ -59,7 +59,7 @@ def _store_0_1(path: Path) -> str:
 def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_path: Path, tmp_path: Path) -> None:
     url = _store_0_1(tmp_path / "old.db")
     with pytest.raises(schema.StoreOutOfDate, match="tracetrain db upgrade"):
-        make_engine(url)
+        open_db(url)
     refused = _cli("train", "--db-url", url)
     assert refused.returncode != 0 and "tracetrain db upgrade" in refused.stderr and "Traceback" not in refused.stderr
     assert "tracetrain 0.1 (no revision)" in _cli("db", "current", "--db-url", url).stdout
@@ -67,15 +67,15 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
     upgraded = _cli("db", "upgrade", "--db-url", url)
     assert upgraded.returncode == 0, upgraded.stderr
     assert f"-> {schema.head()}" in upgraded.stdout
-    assert schema.revision(open_engine(url)) == (schema.head(), True)
+    assert schema.revision(connect_db(url)) == (schema.head(), True)
 
-    engine = make_engine(url)
-    with Session(engine) as db:
-        (trajectory,) = session_trajectories(queries.session_calls(db, session_id="old-1"))
-        (old_call,) = queries.session_calls(db, session_id="old-0")
-        assert call_messages(db, call=old_call) == [{"role": "user", "content": "hi"}], "0.1 rows keep all messages"
+    db = open_db(url)
+    with Session(db) as s:
+        (trajectory,) = session_trajectories(queries.session_calls(s, session_id="old-1"))
+        (old_call,) = queries.session_calls(s, session_id="old-0")
+        assert call_messages(s, call=old_call) == [{"role": "user", "content": "hi"}], "0.1 rows keep all messages"
         # what the session list sorts and filters on is filled in for old sessions
-        old = queries.get_session(db, session_id="old-1")
+        old = queries.get_session(s, session_id="old-1")
         assert old is not None
         assert (old.model, old.calls, old.tokens, old.reward, old.reward_override, old.excluded) == (
             "tiny", 1, 8, 1.0, None, False)
@@ -83,33 +83,33 @@ def test_a_0_1_store_is_refused_then_upgraded_read_and_trained_on(tiny_model_pat
     (segment,) = trajectory["segments"]
     assert segment["token_ids"] == [1, 4093, 198, 6004, 2, 28, 30, 2] and sum(segment["loss_mask"]) == 3
     cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=2, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
-    trainer = Trainer(cfg, engine, tiny_model_path)
+    trainer = Trainer(cfg, db, tiny_model_path)
     assert trainer.step_once() and trainer.version == 1
     assert _cli("db", "upgrade", "--db-url", url).returncode == 0, "upgrading again changes nothing"
 
 
 def test_new_stores_start_at_the_newest_revision(db_url: str) -> None:
-    make_engine(db_url)
-    assert schema.revision(open_engine(db_url)) == (schema.head(), True)
-    make_engine(db_url)  # and open again without complaint
+    open_db(db_url)
+    assert schema.revision(connect_db(db_url)) == (schema.head(), True)
+    open_db(db_url)  # and open again without complaint
 
 
 def test_0011_downgrades_to_0010_and_upgrades_again_keeping_the_sessions(db_url: str) -> None:
     """Retention's columns and the audit log come and go with 0011, on SQLite and PostgreSQL; the rest stays."""
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        db.add(AgentSession(id="s", group_id="g", purged="deleted", purged_at=utcnow()))
-        audit.record(db, action="delete", actor=None, session_id="s", sessions=1)
-        db.commit()
-    with engine.begin() as connection:
+    db = open_db(db_url)
+    with Session(db) as s:
+        s.add(AgentSession(id="s", group_id="g", purged="deleted", purged_at=utcnow()))
+        audit.record(s, action="delete", actor=None, session_id="s", sessions=1)
+        s.commit()
+    with db.begin() as connection:
         command.downgrade(schema._config(connection), "0010")
-    assert schema.revision(engine) == ("0010", True)
-    with engine.connect() as connection:
+    assert schema.revision(db) == ("0010", True)
+    with db.connect() as connection:
         assert "audit_log" not in inspect(connection).get_table_names()
         assert {"purged", "purged_at"}.isdisjoint(c["name"] for c in inspect(connection).get_columns("sessions"))
         assert connection.exec_driver_sql("SELECT id, group_id FROM sessions").all() == [("s", "g")]
-    schema.upgrade(engine)
-    with Session(engine) as db:
-        session = db.get(AgentSession, "s")
+    schema.upgrade(db)
+    with Session(db) as s:
+        session = s.get(AgentSession, "s")
         assert session is not None and session.purged is None and session.purged_at is None
-        assert audit.entries(db) == ([], 0)
+        assert audit.entries(s) == ([], 0)

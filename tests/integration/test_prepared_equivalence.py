@@ -24,7 +24,7 @@ from sqlmodel import Session
 from tests.support.servers import PostgresCluster
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call, Policy
 from tracetrain.store.prepared import Prepared
 
@@ -52,10 +52,10 @@ def two_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
     else:
         cluster: PostgresCluster = request.getfixturevalue("postgres")
         urls = [cluster.create_database(f"t_{uuid.uuid4().hex[:12]}") for _ in range(2)]
-    engines = [make_engine(url) for url in urls]
-    yield engines[0], engines[1]
-    for engine in engines:
-        engine.dispose()
+    dbs = [open_db(url) for url in urls]
+    yield dbs[0], dbs[1]
+    for db in dbs:
+        db.dispose()
 
 
 def _text(rng: random.Random, most: int = 40) -> str:
@@ -150,11 +150,11 @@ def _run(conn: Connection, kind: str, prepared: Prepared, params: Any, fast: boo
     return int(result.rowcount) if isinstance(params, dict) else None
 
 
-def _stored(engine: Engine, table: Table) -> list[tuple[Any, ...]]:
+def _stored(db: Engine, table: Table) -> list[tuple[Any, ...]]:
     """A table's rows as the driver returns them, unconverted (JSON columns as their stored text), by key."""
     columns = ", ".join(f"CAST({c.name} AS TEXT)" if isinstance(c.type, JSON) else c.name for c in table.columns)
     key = ", ".join(c.name for c in table.primary_key.columns)
-    with engine.connect() as conn:
+    with db.connect() as conn:
         rows = conn.exec_driver_sql(f"SELECT {columns} FROM {table.name} ORDER BY {key}").fetchall()
     return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in row) for row in rows]
 

@@ -26,7 +26,7 @@ from tracetrain.engines.publishing import Checkpoint
 from tracetrain.engines.replicas import Replica, ReplicaSet
 from tracetrain.engines.vllm import VLLMEngine
 from tracetrain.proxy.replica_sync import ReplicaSync
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.writer import StoreWriter
 
 URL = "http://127.0.0.1:9"  # never contacted
@@ -96,7 +96,7 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 @pytest.fixture
 async def store(db_url: str) -> AsyncIterator[Any]:
-    yield make_engine(db_url)
+    yield open_db(db_url)
 
 
 async def test_a_reload_waits_for_the_other_process_which_then_labels_before_routing(store: Any) -> None:

@@ -28,7 +28,7 @@ from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.proxy.auth import fingerprint
 from tracetrain.store import leases
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine, open_engine
+from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.models import PURGED_STATE, AgentSession, Call, Reward, utcnow
 
 AGENT, KEEPER, ADMIN = "agent-key", "keeper-key", "admin-key"
@@ -197,7 +197,7 @@ def _old_sessions(db: Engine, prefix: str, n: int, *, days: float, owner: str | 
 def test_a_purge_beside_live_traffic_loses_nothing_recent(tiny_engine: TransformersEngine, tiny_model_path: Path,
                                                           db_url: str) -> None:
     gw = _gateway(tiny_engine, tiny_model_path, db_url, retention_days=30, retention_interval_s=0.05)
-    db = open_engine(db_url)
+    db = connect_db(db_url)
     failures: list[str] = []
     served: dict[str, int] = {}
     stop = threading.Event()
@@ -327,7 +327,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_db_purge_clears_what_is_past_each_keys_retention(db_url: str, tmp_path: Path) -> None:
-    db = make_engine(db_url)
+    db = open_db(db_url)
     agent, keeper, short = fingerprint(AGENT), fingerprint(KEEPER), fingerprint("short-key")
     by_default = _old_sessions(db, "anon", 3, days=40) + _old_sessions(db, "agent", 2, days=40, owner=agent)
     kept = (_old_sessions(db, "keeper", 2, days=400, owner=keeper) + _old_sessions(db, "young", 2, days=10)

@@ -17,7 +17,7 @@ from sqlmodel import Session, select
 
 from tests.integration.conftest import RunningVLLM
 from tests.support.servers import free_port, wait_until_healthy
-from tracetrain.store.db import open_engine
+from tracetrain.store.db import connect_db
 from tracetrain.store.models import Call
 
 # `sys.modules[name] = None` makes `import name` raise ImportError and `find_spec(name)` return None.
@@ -45,6 +45,6 @@ def test_the_gateway_serves_and_records_without_torch(vllm_server: RunningVLLM, 
         process.terminate()
         process.wait(timeout=60)
     assert "No module named 'torch'" not in log.read_text()
-    with Session(open_engine(db_url)) as db:
+    with Session(connect_db(db_url)) as db:
         call = db.exec(select(Call).where(Call.completion_id == completion_id)).one()
     assert call.completion_tokens == 4

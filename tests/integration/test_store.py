@@ -15,7 +15,7 @@ from sqlmodel import Session, select
 
 from tracetrain.store import promotion
 from tracetrain.store.codec import decode_floats, decode_ids, encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call, Reward
 from tracetrain.store.queries import CALL_COLUMNS, record_calls
 from tracetrain.store.writer import StoreWriter
@@ -31,14 +31,14 @@ def _call(i: int, session_id: str = "s") -> Call:
 
 
 async def test_group_commit_stores_every_call_and_batches(db_url: str) -> None:
-    engine = make_engine(db_url)
-    writer = StoreWriter(engine)
+    db = open_db(db_url)
+    writer = StoreWriter(db)
     await writer.start()
-    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
-    await asyncio.gather(*(writer.submit(lambda db, i=i: db.add(_call(i))) for i in range(200)))
+    await writer.submit(lambda s: s.add(AgentSession(id="s", group_id="g")))
+    await asyncio.gather(*(writer.submit(lambda s, i=i: s.add(_call(i))) for i in range(200)))
     await writer.stop()
-    with Session(engine) as db:
-        calls = db.exec(select(Call)).all()
+    with Session(db) as s:
+        calls = s.exec(select(Call)).all()
     assert len(calls) == 200
     assert writer.batches < 100, "concurrent submits should share transactions"
     stored = next(c for c in calls if c.id == "c5")
@@ -47,39 +47,39 @@ async def test_group_commit_stores_every_call_and_batches(db_url: str) -> None:
 
 
 async def test_a_failing_op_fails_alone(db_url: str) -> None:
-    engine = make_engine(db_url)
-    writer = StoreWriter(engine)
+    db = open_db(db_url)
+    writer = StoreWriter(db)
     await writer.start()
-    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
-    await writer.submit(lambda db: db.add(Reward(session_id="s", value=1.0, idempotency_key="k")))
+    await writer.submit(lambda s: s.add(AgentSession(id="s", group_id="g")))
+    await writer.submit(lambda s: s.add(Reward(session_id="s", value=1.0, idempotency_key="k")))
     results = await asyncio.gather(
-        writer.submit(lambda db: db.add(_call(1))),
-        writer.submit(lambda db: db.add(Reward(session_id="s", value=2.0, idempotency_key="k"))),
-        writer.submit(lambda db: db.add(_call(2))),
+        writer.submit(lambda s: s.add(_call(1))),
+        writer.submit(lambda s: s.add(Reward(session_id="s", value=2.0, idempotency_key="k"))),
+        writer.submit(lambda s: s.add(_call(2))),
         return_exceptions=True,
     )
     await writer.stop()
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], Exception)
-    with Session(engine) as db:
-        assert {c.id for c in db.exec(select(Call)).all()} == {"c1", "c2"}
-        assert [r.value for r in db.exec(select(Reward)).all()] == [1.0]
+    with Session(db) as s:
+        assert {c.id for c in s.exec(select(Call)).all()} == {"c1", "c2"}
+        assert [r.value for r in s.exec(select(Reward)).all()] == [1.0]
 
 
 def test_token_arrays_are_stored_as_bytes(db_url: str) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        db.add(AgentSession(id="s", group_id="g"))
-        db.add(_call(3))
-        db.commit()
-        raw = db.execute(text("SELECT prompt_ids FROM calls")).scalar_one()
+    db = open_db(db_url)
+    with Session(db) as s:
+        s.add(AgentSession(id="s", group_id="g"))
+        s.add(_call(3))
+        s.commit()
+        raw = s.execute(text("SELECT prompt_ids FROM calls")).scalar_one()
     assert bytes(raw) == encode_ids([1, 2, 3])
     assert len(bytes(raw)) == 12
 
 
 def test_sqlite_runs_in_wal_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    engine = make_engine(f"sqlite:///{tmp_path / 'w.db'}")
-    with engine.connect() as conn:
+    db = open_db(f"sqlite:///{tmp_path / 'w.db'}")
+    with db.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
 
 
@@ -95,20 +95,20 @@ async def test_sqlite_writers_take_turns_through_the_lock_file(tmp_path) -> None
     """Another gateway process holding the lock file (here: another open file, which `flock` treats
     alike) keeps this writer's commit waiting; it commits as soon as the lock is let go."""
     path = tmp_path / "store.db"
-    engine = make_engine(f"sqlite:///{path}")
-    writer = StoreWriter(engine)
+    db = open_db(f"sqlite:///{path}")
+    writer = StoreWriter(db)
     await writer.start()
-    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    await writer.submit(lambda s: s.add(AgentSession(id="s", group_id="g")))
     with open(f"{path}-writelock", "a+b") as other:
         fcntl.flock(other, fcntl.LOCK_EX)
-        pending = asyncio.ensure_future(writer.submit(lambda db: db.add(_call(1))))
+        pending = asyncio.ensure_future(writer.submit(lambda s: s.add(_call(1))))
         await asyncio.sleep(0.5)
         assert not pending.done()
         fcntl.flock(other, fcntl.LOCK_UN)
         await asyncio.wait_for(pending, timeout=5)
     await writer.stop()
-    with Session(engine) as db:
-        assert [c.id for c in db.exec(select(Call)).all()] == ["c1"]
+    with Session(db) as s:
+        assert [c.id for c in s.exec(select(Call)).all()] == ["c1"]
 
 
 def _thread_of_op(writer: StoreWriter, i: int) -> Any:
@@ -120,18 +120,18 @@ def _thread_of_op(writer: StoreWriter, i: int) -> Any:
 
 
 async def test_a_batch_alone_on_the_loop_commits_there_and_otherwise_in_the_thread(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    db = open_db(f"sqlite:///{tmp_path / 'store.db'}")
     alone = True
-    writer = StoreWriter(engine, inline=lambda: alone)
+    writer = StoreWriter(db, inline=lambda: alone)
     await writer.start()
-    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    await writer.submit(lambda s: s.add(AgentSession(id="s", group_id="g")))
     assert await _thread_of_op(writer, 1) == threading.current_thread().name
     alone = False
     assert await _thread_of_op(writer, 2) != threading.current_thread().name
     await writer.stop()
     assert writer.inline_batches == 2
-    with Session(engine) as db:
-        assert [c.id for c in db.exec(select(Call)).all()] == ["c1", "c2"]
+    with Session(db) as s:
+        assert [c.id for c in s.exec(select(Call)).all()] == ["c1", "c2"]
 
 
 async def _ticks_while_pending(pending: asyncio.Future[Any], seconds: float) -> int:
@@ -149,10 +149,10 @@ async def test_a_batch_that_would_wait_for_a_lock_goes_to_the_thread(tmp_path: P
     """Another process holding the lock file, or SQLite's write lock (a trainer, which takes no lock file),
     never blocks the event loop: the batch waits in the writer's thread and commits once the lock is free."""
     path = tmp_path / "store.db"
-    engine = make_engine(f"sqlite:///{path}")
-    writer = StoreWriter(engine, inline=lambda: True)
+    db = open_db(f"sqlite:///{path}")
+    writer = StoreWriter(db, inline=lambda: True)
     await writer.start()
-    await writer.submit(lambda db: db.add(AgentSession(id="s", group_id="g")))
+    await writer.submit(lambda s: s.add(AgentSession(id="s", group_id="g")))
     with open(f"{path}-writelock", "a+b") as other:
         fcntl.flock(other, fcntl.LOCK_EX)
         pending = asyncio.ensure_future(_thread_of_op(writer, 1))
@@ -168,19 +168,19 @@ async def test_a_batch_that_would_wait_for_a_lock_goes_to_the_thread(tmp_path: P
     assert await asyncio.wait_for(pending, timeout=35) != threading.current_thread().name
     assert await _thread_of_op(writer, 3) == threading.current_thread().name  # nothing held: on the loop again
     await writer.stop()
-    with engine.connect() as conn:  # the writer's connection waits for SQLite's lock as before
+    with db.connect() as conn:  # the writer's connection waits for SQLite's lock as before
         assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30000
-    with Session(engine) as db:
-        assert [c.id for c in db.exec(select(Call)).all()] == ["c1", "c2", "c3"]
+    with Session(db) as s:
+        assert [c.id for c in s.exec(select(Call)).all()] == ["c1", "c2", "c3"]
 
 
 async def test_a_session_recorded_after_its_canary_was_rolled_back_is_set_aside(db_url: str) -> None:
     """A call routed to a canary just before its rollback may be recorded just after it, past the
     rollback's own setting aside: the write sees the rollback and sets its new session aside itself."""
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        promotion.mark_published(db, version=1, checkpoint=Path("/v1"), kind="lora", promotion="canary")
-    writer = StoreWriter(engine)
+    db = open_db(db_url)
+    with Session(db) as s:
+        promotion.mark_published(s, version=1, checkpoint=Path("/v1"), kind="lora", promotion="canary")
+    writer = StoreWriter(db)
     await writer.start()
 
     def record(session_id: str, check: bool) -> Any:
@@ -188,15 +188,15 @@ async def test_a_session_recorded_after_its_canary_was_rolled_back_is_set_aside(
         row.update(id=f"c-{session_id}", completion_id=f"cc-{session_id}", policy_version=1, prompt_tokens=3,
                    prefix_len=0, completion_tokens=2)
         new = {"id": session_id, "group_id": session_id, "owner": None, "policy_version": 1}
-        return writer.submit(lambda db: record_calls(db, session_id=session_id, new_session=new, rows=[row],
-                                                     check_rollback=check))
+        return writer.submit(lambda s: record_calls(s, session_id=session_id, new_session=new, rows=[row],
+                                                    check_rollback=check))
 
     await record("before", True)
-    with Session(engine) as db:
-        assert promotion.decide(db, version=1, outcome=promotion.ROLLED_BACK, decision={"by": "test"})
+    with Session(db) as s:
+        assert promotion.decide(s, version=1, outcome=promotion.ROLLED_BACK, decision={"by": "test"})
     await record("after", True)
     await record("unchecked", False)  # immediate promotion: no check, as before
     await writer.stop()
-    with Session(engine) as db:
-        reasons = {s.id: s.skip_reason for s in db.exec(select(AgentSession)).all()}
+    with Session(db) as s:
+        reasons = {row.id: row.skip_reason for row in s.exec(select(AgentSession)).all()}
     assert reasons == {"before": "rolled_back", "after": "rolled_back", "unchecked": None}

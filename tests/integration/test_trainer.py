@@ -13,7 +13,7 @@ from sqlmodel import Session, select
 from tests.support.sessions import add_session
 from tracetrain.config import TrainConfig
 from tracetrain.store import leases
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Policy
 from tracetrain.trainer.checkpoint import build_model
 from tracetrain.trainer.data import collate, load_samples
@@ -23,16 +23,16 @@ from tracetrain.trainer.step import SampledLogits, sequence_logprobs
 
 
 def test_two_trainers_never_claim_the_same_session(db_url: str) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
+    db = open_db(db_url)
+    with Session(db) as s:
         for i in range(40):
-            add_session(db, f"s{i}", "g", 1.0)
-        db.commit()
+            add_session(s, f"s{i}", "g", 1.0)
+        s.commit()
     claimed: dict[str, list[str]] = {"a": [], "b": []}
 
     def claim(name: str) -> None:
-        with Session(engine) as db:
-            while batch := leases.claim_sessions(db, trainer_id=name, limit=3, lease_s=60):
+        with Session(db) as s:
+            while batch := leases.claim_sessions(s, trainer_id=name, limit=3, lease_s=60):
                 claimed[name] += batch
 
     threads = [threading.Thread(target=claim, args=(n,)) for n in claimed]
@@ -41,44 +41,44 @@ def test_two_trainers_never_claim_the_same_session(db_url: str) -> None:
     for t in threads:
         t.join()
     assert not set(claimed["a"]) & set(claimed["b"])
-    assert sorted(claimed["a"] + claimed["b"], key=lambda s: int(s[1:])) == [f"s{i}" for i in range(40)]
+    assert sorted(claimed["a"] + claimed["b"], key=lambda sid: int(sid[1:])) == [f"s{i}" for i in range(40)]
 
 
 def test_an_expired_lease_goes_to_the_next_trainer(db_url: str) -> None:
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        add_session(db, "s1", "g", 1.0)
-        db.commit()
-        assert leases.claim_sessions(db, trainer_id="crashed", limit=5, lease_s=-1) == ["s1"]
-        assert leases.claim_sessions(db, trainer_id="next", limit=5, lease_s=60) == ["s1"]
-        assert leases.claim_sessions(db, trainer_id="third", limit=5, lease_s=60) == []
+    db = open_db(db_url)
+    with Session(db) as s:
+        add_session(s, "s1", "g", 1.0)
+        s.commit()
+        assert leases.claim_sessions(s, trainer_id="crashed", limit=5, lease_s=-1) == ["s1"]
+        assert leases.claim_sessions(s, trainer_id="next", limit=5, lease_s=60) == ["s1"]
+        assert leases.claim_sessions(s, trainer_id="third", limit=5, lease_s=60) == []
 
 
 def _trainer(tiny_model_path: Path, tmp_path: Path, db_url: str, **overrides: object) -> Trainer:
     cfg = TrainConfig(**{"lora": False, "lr": 1e-3, "batch_sessions": 8, "min_sessions": 1,
                          "checkpoint_dir": tmp_path / "ckpt", "max_staleness": 1, **overrides})  # type: ignore[arg-type]
-    return Trainer(cfg, make_engine(db_url), tiny_model_path)
+    return Trainer(cfg, open_db(db_url), tiny_model_path)
 
 
 def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_path: Path, tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 't.db'}"
-    engine = make_engine(db_url)
-    with Session(engine) as db:
-        db.add(Policy(version=3, checkpoint=None, kind="base"))  # the trainer starts at version 3
-        add_session(db, "old", "g-old", 1.0, version=1)  # 2 versions behind: stale
-        add_session(db, "flat-1", "g-flat", 1.0, version=3)
-        add_session(db, "flat-2", "g-flat", 1.0, version=3)  # same reward in its group: zero variance
-        add_session(db, "good-1", "g-good", 1.0, version=3)
-        add_session(db, "good-2", "g-good", 0.0, version=2)
-        db.commit()
+    db = open_db(db_url)
+    with Session(db) as s:
+        s.add(Policy(version=3, checkpoint=None, kind="base"))  # the trainer starts at version 3
+        add_session(s, "old", "g-old", 1.0, version=1)  # 2 versions behind: stale
+        add_session(s, "flat-1", "g-flat", 1.0, version=3)
+        add_session(s, "flat-2", "g-flat", 1.0, version=3)  # same reward in its group: zero variance
+        add_session(s, "good-1", "g-good", 1.0, version=3)
+        add_session(s, "good-2", "g-good", 0.0, version=2)
+        s.commit()
     trainer = _trainer(tiny_model_path, tmp_path, db_url)
     assert trainer.version == 3
     assert trainer.step_once()
     assert trainer.version == 4
     assert trainer.counts["stale"] == 1 and trainer.counts["zero_variance"] == 2 and trainer.counts["samples"] == 2
-    with Session(engine) as db:
-        rows = {s.id: (s.trained_version, s.skip_reason) for s in db.exec(select(AgentSession)).all()}
-        policy = db.get(Policy, 4)
+    with Session(db) as s:
+        rows = {row.id: (row.trained_version, row.skip_reason) for row in s.exec(select(AgentSession)).all()}
+        policy = s.get(Policy, 4)
     # set aside, not consumed: still in the store for offline algorithms and export
     assert rows == {"old": (None, "stale"), "flat-1": (None, "zero_variance"), "flat-2": (None, "zero_variance"),
                     "good-1": (4, None), "good-2": (4, None)}
@@ -90,11 +90,11 @@ def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_p
 @pytest.mark.parametrize("lora", [False, True])
 def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_path: Path, lora: bool) -> None:
     db_url = f"sqlite:///{tmp_path / 't.db'}"
-    engine = make_engine(db_url)
-    with Session(engine) as db:
+    db = open_db(db_url)
+    with Session(db) as s:
         for i in range(4):
-            add_session(db, f"a{i}", f"g{i // 2}", float(i % 2))
-        db.commit()
+            add_session(s, f"a{i}", f"g{i // 2}", float(i % 2))
+        s.commit()
     first = _trainer(tiny_model_path, tmp_path, db_url, lora=lora, lora_rank=8)
     assert first.step_once() and first.version == 1
     written = sorted(p.name for p in (tmp_path / "ckpt" / "v000001").iterdir())
@@ -106,10 +106,10 @@ def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_pat
     resumed = again.backend.model.state_dict()  # type: ignore[attr-defined]
     assert all(torch.equal(v, resumed[k]) for k, v in weights.items())
     assert again.backend.optimizer.state, "optimizer moments come back too"  # type: ignore[attr-defined]
-    with Session(engine) as db:
+    with Session(db) as s:
         for i in range(4):
-            add_session(db, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
-        db.commit()
+            add_session(s, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
+        s.commit()
     assert again.step_once() and again.version == 2
 
 
@@ -152,14 +152,14 @@ def test_lora_checkpoints_can_carry_merged_full_weights(tiny_model_path: Path, t
     from transformers import AutoModelForCausalLM
 
     db_url = f"sqlite:///{tmp_path / 't.db'}"
-    with Session(make_engine(db_url)) as db:
+    with Session(open_db(db_url)) as db:
         for i in range(4):
             add_session(db, f"m{i}", f"g{i // 2}", float(i % 2))
         db.commit()
     published: list[tuple[int, Path, str]] = []
     cfg = TrainConfig(lr=1e-2, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt", lora=True,
                       lora_rank=8, publish="reload")
-    trainer = Trainer(cfg, make_engine(db_url), tiny_model_path, publish=lambda v, p, k: published.append((v, p, k)))
+    trainer = Trainer(cfg, open_db(db_url), tiny_model_path, publish=lambda v, p, k: published.append((v, p, k)))
     assert trainer.step_once()
     ((version, path, kind),) = published
     assert (version, kind, path.name) == (1, "full", "merged")
@@ -178,7 +178,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_weights_load(tiny_m
     from tracetrain.engines.models import tiny_model_dir
 
     db_url = f"sqlite:///{tmp_path / 't.db'}"
-    with Session(make_engine(db_url)) as db:
+    with Session(open_db(db_url)) as db:
         for i in range(2):
             add_session(db, f"a{i}", "g", float(i))
         db.commit()

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from tests.support.sessions import add_session
 from tracetrain.config import TrainConfig
 from tracetrain.store import promotion
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession
 from tracetrain.trainer.loop import Trainer
 
@@ -30,7 +30,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_the_trainer_waits_for_its_canary_and_continues_from_the_promoted_line(tiny_model_path: Path,
                                                                               tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 't.db'}"
-    db = make_engine(db_url)
+    db = open_db(db_url)
 
     def add_group(name: str, version: int) -> None:
         with Session(db) as s:

@@ -47,23 +47,23 @@ def test_a_version_records_its_advantage_spread(tiny_model_path: Path, tmp_path:
     from sqlmodel import Session
 
     from tests.support.sessions import add_session
-    from tracetrain.store.db import make_engine
+    from tracetrain.store.db import open_db
     from tracetrain.store.models import Policy
     from tracetrain.trainer.loop import Trainer
 
-    engine = make_engine(f"sqlite:///{tmp_path / 'figures.db'}")
-    with Session(engine) as db:
+    db = open_db(f"sqlite:///{tmp_path / 'figures.db'}")
+    with Session(db) as s:
         for i, reward in enumerate([1.0, 0.0, 1.0, 1.0]):
-            add_session(db, f"s{i}", "g", reward)
-        db.commit()
+            add_session(s, f"s{i}", "g", reward)
+        s.commit()
     trainer = Trainer(TrainConfig(lora=False, lr=1e-3, advantage="rloo", batch_sessions=4, min_sessions=1,
-                                  checkpoint_dir=tmp_path / "ckpt"), engine, tiny_model_path)
+                                  checkpoint_dir=tmp_path / "ckpt"), db, tiny_model_path)
     try:
         assert trainer.step_once()
     finally:
         trainer.close()
-    with Session(engine) as db:
-        figures = db.get(Policy, 1).metrics  # type: ignore[union-attr]
+    with Session(db) as s:
+        figures = s.get(Policy, 1).metrics  # type: ignore[union-attr]
     # RLOO: each reward against the mean of the other three: 1 - 2/3 (three times) and 0 - 1
     expected = statistics.pstdev([1 / 3, -1.0, 1 / 3, 1 / 3])
     assert figures["advantage_std"] == pytest.approx(expected, rel=1e-5)

@@ -18,7 +18,7 @@ from sqlmodel import Session, func, select
 
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Call, Reward
 from tracetrain.store.writer import StoreWriter, WriteOp
 
@@ -93,14 +93,14 @@ def _outcome(result: Any) -> Any:
     return (type(result).__name__, str(result)) if isinstance(result, BaseException) else result
 
 
-def _stored(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+def _stored(db: Engine) -> dict[str, list[tuple[Any, ...]]]:
     tables: list[Table] = [AgentSession.__table__, Call.__table__, Reward.__table__]  # type: ignore[attr-defined]
-    with engine.connect() as conn:
+    with db.connect() as conn:
         return {t.name: conn.exec_driver_sql(f"SELECT * FROM {t.name} ORDER BY 1").fetchall() for t in tables}
 
 
-async def _run(engine: Engine, inline: Callable[[], bool], seed: int) -> tuple[list[Any], StoreWriter]:
-    writer = StoreWriter(engine, max_batch=16, inline=inline)
+async def _run(db: Engine, inline: Callable[[], bool], seed: int) -> tuple[list[Any], StoreWriter]:
+    writer = StoreWriter(db, max_batch=16, inline=inline)
     await writer.start()
     try:
         results = await _submit_all(writer, _random_ops(random.Random(seed)), random.Random(seed + 1))
@@ -120,11 +120,11 @@ async def test_commits_on_the_loop_end_as_commits_in_the_thread(tmp_path: Path, 
     runs = []
     for name, inline in (("loop", lambda: True), ("thread", lambda: False)):
         caplog.clear()
-        engine = make_engine(f"sqlite:///{tmp_path / f'{name}.db'}")
-        results, writer = await _run(engine, inline, seed=30)
+        db = open_db(f"sqlite:///{tmp_path / f'{name}.db'}")
+        results, writer = await _run(db, inline, seed=30)
         retried = [int(n) for n in re.findall(r"group commit of (\d+) ops failed", caplog.text)]
-        runs.append((results, _stored(engine), writer, retried))
-        engine.dispose()
+        runs.append((results, _stored(db), writer, retried))
+        db.dispose()
     (loop_results, loop_rows, loop_writer, loop_retried), (results, rows, writer, retried) = runs
     for i, (got, want) in enumerate(zip(loop_results, results, strict=True)):
         assert got == want, f"op {i}"

@@ -26,7 +26,7 @@ from tracetrain.engines.base import Engine
 from tracetrain.engines.publishing import Publisher
 from tracetrain.proxy.app import build_app
 from tracetrain.proxy.gateway import Gateway
-from tracetrain.store.db import make_engine
+from tracetrain.store.db import open_db
 
 
 def free_port() -> int:
@@ -91,7 +91,7 @@ def start_gateway(engine: Engine, tokenizer_dir: Path, db_url: str, /, *, publis
     for name, values in groups.items():
         settings[name] = values if isinstance(values, BaseModel) else {**settings.get(name, {}), **values}
     cfg = Config(**settings)
-    gateway = build_gateway(cfg, engine, load_tokenizer(tokenizer_dir), make_engine(db_url),
+    gateway = build_gateway(cfg, engine, load_tokenizer(tokenizer_dir), open_db(db_url),
                             publisher=publisher, services=services)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,4 +1,6 @@
-"""Database engines: SQLite in WAL mode by default, PostgreSQL by URL."""
+"""The store's database connection (`db`, a SQLAlchemy Engine): SQLite in WAL mode by default,
+PostgreSQL by URL. `open_db` opens the store, creating or checking its schema; `connect_db` only
+connects (for migrating)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ from tracetrain.store import schema
 from tracetrain.store.models import Policy
 
 
-def make_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
+def open_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
     """Open the store: an empty one gets the tables at the newest schema, an older one raises
     `schema.StoreOutOfDate` saying what to run (see store/schema.py)."""
-    engine = open_engine(url, sqlite_synchronous=sqlite_synchronous)
-    schema.ensure_current(engine)
-    with Session(engine) as db:
-        if db.exec(select(Policy).where(Policy.version == 0)).first() is None:
-            db.add(Policy(version=0))
-            db.commit()
-    return engine
+    db = connect_db(url, sqlite_synchronous=sqlite_synchronous)
+    schema.ensure_current(db)
+    with Session(db) as s:
+        if s.exec(select(Policy).where(Policy.version == 0)).first() is None:
+            s.add(Policy(version=0))
+            s.commit()
+    return db
 
 
 def _to_json(value: Any) -> str:
@@ -35,24 +37,25 @@ def _to_json(value: Any) -> str:
         return json.dumps(value)
 
 
-def open_engine(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
-    """The engine alone, schema unchecked (for migrating). `sqlite_synchronous=FULL` makes each commit
-    survive a power cut, not just a killed process; group commit keeps its cost to one fsync per batch."""
+def connect_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
+    """Connect to the store only, its schema unchecked (for migrating; `open_db` for everything else).
+    `sqlite_synchronous=FULL` makes each commit survive a power cut, not just a killed process; group commit
+    keeps its cost to one fsync per batch."""
     json_codec: dict[str, Any] = {"json_serializer": _to_json, "json_deserializer": orjson.loads}
     if url.startswith("sqlite"):
         # LIFO: the connection just returned is taken again, so its page cache is the one holding what
         # this process last wrote. The default FIFO pool rotated the gateway's reads and the writer's
         # commits over several connections, and a connection that finds the file changed since its last
         # transaction drops its whole cache: 45 page reads (pread) per call instead of 8 (strace, c=1).
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_use_lifo=True,
-                               **json_codec)
+        db = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_use_lifo=True,
+                           **json_codec)
 
-        @event.listens_for(engine, "connect")
+        @event.listens_for(db, "connect")
         def _pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
             cursor = dbapi_conn.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute(f"PRAGMA synchronous={sqlite_synchronous}")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
-        return engine
+        return db
     return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True, **json_codec)

@@ -49,10 +49,10 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
             }
 
 
-def iter_rows(engine: Engine) -> Iterator[dict[str, Any]]:
-    with Session(engine) as db:
-        for session_id in queries.all_session_ids(db):
-            yield from session_rows(db, session_id)
+def iter_rows(db: Engine) -> Iterator[dict[str, Any]]:
+    with Session(db) as s:
+        for session_id in queries.all_session_ids(s):
+            yield from session_rows(s, session_id)
 
 
 def record_export(db: Session, *, actor: str | None, fmt: str) -> AuditEntry:
@@ -64,18 +64,18 @@ def record_export(db: Session, *, actor: str | None, fmt: str) -> AuditEntry:
                         detail={"format": fmt})
 
 
-def export(engine: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:
+def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:
     """Write every trajectory segment to `out`, recorded in the audit log as `actor`'s; returns the number
     of rows."""
     if fmt not in ("jsonl", "parquet"):
         raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")
-    with Session(engine) as db:
-        record_export(db, actor=actor, fmt=fmt)
-        db.commit()
+    with Session(db) as s:
+        record_export(s, actor=actor, fmt=fmt)
+        s.commit()
     rows = 0
     if fmt == "jsonl":
         with out.open("wb") as fh:
-            for row in iter_rows(engine):
+            for row in iter_rows(db):
                 fh.write(orjson.dumps(row) + b"\n")
                 rows += 1
         return rows
@@ -84,7 +84,7 @@ def export(engine: Engine, out: Path, fmt: str, *, actor: str | None = "cli") ->
         import pyarrow.parquet as pq
 
         table_rows = [{**row, "prompt": orjson.dumps(row["prompt"]).decode(),
-                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(engine)]
+                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(db)]
         pq.write_table(pa.Table.from_pylist(table_rows), out)
         return len(table_rows)
     raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")

@@ -198,16 +198,16 @@ CHECKPOINT_TRIES = 50
 CHECKPOINT_PAUSE_S = 0.1
 
 
-def checkpoint(engine: Engine) -> bool:
+def checkpoint(db: Engine) -> bool:
     """Copy SQLite's WAL into the database file and truncate it, so the old page images of cleared values
     leave the WAL; a no-op on PostgreSQL. Returns whether the WAL was emptied. A reader still on an old
     snapshot (a console query, the search indexer) makes the checkpoint busy; those are short, so it tries
     again for a few seconds before it gives up with a warning (SQLite's own checkpoints overwrite the WAL
     later)."""
-    if engine.dialect.name != "sqlite":
+    if db.dialect.name != "sqlite":
         return True
     for _ in range(CHECKPOINT_TRIES):
-        with engine.connect() as conn:
+        with db.connect() as conn:
             row = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").first()
         if row is None or not row[0]:  # (busy, WAL frames, frames checkpointed)
             return True
@@ -221,24 +221,24 @@ COMPACT_STEPS = 256
 the next purge goes on where this one stopped."""
 
 
-async def purge(submit: Callable[[WriteOp], Awaitable[Any]], engine: Engine, *, retention: Retention,
+async def purge(submit: Callable[[WriteOp], Awaitable[Any]], db: Engine, *, retention: Retention,
                 actor: str | None) -> int:
     """Clear every session past `retention`, one batch per writer transaction (`submit`: the store writer's),
     then compact SQLite's search index and checkpoint its WAL; returns how many sessions were cleared."""
     total = 0
     while True:
-        cleared: int = await submit(lambda db: purge_expired(db, retention=retention, actor=actor))
+        cleared: int = await submit(lambda s: purge_expired(s, retention=retention, actor=actor))
         total += cleared
         if cleared < BATCH:
             break
     if total:
-        await scrub(submit, engine)
+        await scrub(submit, db)
     return total
 
 
-async def scrub(submit: Callable[[WriteOp], Awaitable[Any]], engine: Engine) -> None:
+async def scrub(submit: Callable[[WriteOp], Awaitable[Any]], db: Engine) -> None:
     """After content was cleared: merge SQLite's search index, a step per transaction, and checkpoint."""
     for _ in range(COMPACT_STEPS):
-        if not await submit(lambda db: compact_search_index(db)):
+        if not await submit(lambda s: compact_search_index(s)):
             break
-    await asyncio.to_thread(checkpoint, engine)
+    await asyncio.to_thread(checkpoint, db)

@@ -40,32 +40,32 @@ def head() -> str:
     return str(ScriptDirectory.from_config(_config()).get_current_head())
 
 
-def revision(engine: Engine) -> tuple[str | None, bool]:
+def revision(db: Engine) -> tuple[str | None, bool]:
     """(the store's revision, whether it has tracetrain's tables)."""
-    with engine.connect() as connection:
+    with db.connect() as connection:
         current = MigrationContext.configure(connection).get_current_revision()
         tables = set(inspect(connection).get_table_names())
     return current, bool(tables & TABLES)
 
 
-def ensure_current(engine: Engine) -> None:
+def ensure_current(db: Engine) -> None:
     """Create an empty store at the newest revision; refuse an older one with what to run."""
-    current, has_tables = revision(engine)
+    current, has_tables = revision(db)
     if current == head():
         return
     if current is None and not has_tables:
-        upgrade(engine)
+        upgrade(db)
         return
     found = current or "tracetrain 0.1 (no revision)"
     raise StoreOutOfDate(
-        f"The store at {engine.url.render_as_string(hide_password=True)} has schema {found}; this tracetrain "
+        f"The store at {db.url.render_as_string(hide_password=True)} has schema {found}; this tracetrain "
         f"needs {head()}. Back it up, then run: tracetrain db upgrade --db-url '<the same URL>'")
 
 
-def upgrade(engine: Engine) -> tuple[str | None, str]:
+def upgrade(db: Engine) -> tuple[str | None, str]:
     """Migrate the store to the newest revision; returns (revision before, revision after)."""
-    before, has_tables = revision(engine)
-    with engine.begin() as connection:
+    before, has_tables = revision(db)
+    with db.begin() as connection:
         config = _config(connection)
         if before is None and has_tables:
             missing = TABLES - set(inspect(connection).get_table_names())

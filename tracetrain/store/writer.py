@@ -48,11 +48,11 @@ WriteOp = Callable[[Session], Any]
 
 
 class StoreWriter:
-    def __init__(self, engine: Engine, *, max_batch: int = 512, inline: Callable[[], bool] | None = None) -> None:
+    def __init__(self, db: Engine, *, max_batch: int = 512, inline: Callable[[], bool] | None = None) -> None:
         """`inline`: whether a batch may be committed on the event loop now (SQLite only, see above)."""
-        self.engine = engine
+        self.db = db
         self.max_batch = max_batch
-        self._inline = inline if engine.dialect.name == "sqlite" else None
+        self._inline = inline if db.dialect.name == "sqlite" else None
         self.inline_batches = 0
         self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[Any]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -65,7 +65,7 @@ class StoreWriter:
         return self._queue.qsize()
 
     async def start(self) -> None:
-        self._write_lock = _FileLock(_sqlite_lock_path(self.engine))
+        self._write_lock = _FileLock(_sqlite_lock_path(self.db))
         self._task = asyncio.create_task(self._run(), name="store-writer")
 
     async def stop(self) -> None:
@@ -126,13 +126,13 @@ class StoreWriter:
         if not self._write_lock.acquire(blocking=wait):
             raise _LockHeld
         try:
-            with Session(self.engine, expire_on_commit=False) as db:
-                if self.engine.dialect.name == "sqlite":
+            with Session(self.db, expire_on_commit=False) as s:
+                if self.db.dialect.name == "sqlite":
                     # Take the write lock before the ops read (next call number, idempotency keys): another
                     # gateway process on the same file cannot write in between.
-                    _begin_immediate(db, wait=wait)
-                results = [op(db) for op in ops]
-                db.commit()
+                    _begin_immediate(s, wait=wait)
+                results = [op(s) for op in ops]
+                s.commit()
         finally:
             self._write_lock.release()
         self.committed_ops += len(ops)
@@ -161,10 +161,10 @@ def _begin_immediate(db: Session, *, wait: bool) -> None:
         driver.execute(f"PRAGMA busy_timeout = {int(waits)}")
 
 
-def _sqlite_lock_path(engine: Engine) -> str | None:
+def _sqlite_lock_path(db: Engine) -> str | None:
     """The lock file beside a SQLite store's file (like its -wal and -shm); None for other stores."""
-    database = engine.url.database
-    if engine.dialect.name != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+    database = db.url.database
+    if db.dialect.name != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
         return None
     return database + "-writelock"
 

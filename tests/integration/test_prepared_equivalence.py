@@ -114,6 +114,7 @@ def _session_row(rng: random.Random, sid: str) -> dict[str, Any]:
         "skip_reason": _maybe(rng, _text(rng, 32)),
         # A JSON column's None is JSON null on both paths (the type's none_as_null is off).
         "redactions": _maybe(rng, {_text(rng, 8): _int(rng) for _ in range(rng.randint(0, 3))}),
+        "purged": _maybe(rng, rng.choice(["retention", "deleted"])), "purged_at": _maybe(rng, _when(rng)),
     }
 
 

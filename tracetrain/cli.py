@@ -11,7 +11,8 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -386,7 +387,10 @@ def _add_setting_flag(parser: argparse.ArgumentParser, flag: str, note: str = ""
                             help=_help(path) + " Repeatable." + note)
     else:
         annotation = setting_field(path).annotation
-        kind = int if int in (annotation, *get_args(annotation)) else str  # `int | None` too
+        # `int` and `int | None` parse as numbers; anything else (`list[int]` CPU ranges as `0-1`) as text
+        # that the setting's own validator reads.
+        optional_int = get_origin(annotation) in (Union, UnionType) and int in get_args(annotation)
+        kind = int if annotation is int or optional_int else str
         parser.add_argument(f"--{flag}", type=kind, dest=path, metavar=metavar, help=_help(path) + note)
 
 

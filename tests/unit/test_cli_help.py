@@ -33,3 +33,14 @@ def test_flags_set_their_settings_and_win_over_set() -> None:
     assert flag_overrides(args) == {
         "engine": {"kind": "vllm", "urls": ["http://a:1", "http://b:2"], "timeout_s": 5},
         "gateway": {"port": 9001, "workers": 2}, "train": {"lr": "1e-4"}, "store": {"url": "sqlite:///x.db"}}
+
+
+def test_a_cpu_range_flag_reaches_its_setting_as_written() -> None:
+    """`--gateway-cpus 0-1` is text for the setting's own reader, not a number argparse refuses."""
+    from tracetrain.config import load_config
+
+    args = _parser().parse_args(["serve", "--gateway-cpus", "0", "--workers", "2", "--replicas", "1"])
+    overrides = flag_overrides(args)
+    assert overrides["gateway"] == {"cpus": "0", "workers": 2} and overrides["engine"] == {"replicas": 1}
+    assert load_config(**overrides).gateway.cpus == [0]
+    assert _parser().parse_args(["serve", "--gateway-cpus", "0-1"]) is not None

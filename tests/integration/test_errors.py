@@ -297,7 +297,7 @@ async def test_concurrent_replays_of_one_key_store_one_reward(rec: Recorded) -> 
     ("PUT", "/v1/chat/completions", "POST"),
     ("DELETE", "/s/{session}/v1/rewards", "POST"),
     ("PUT", "/v1/sessions/{session}/reward_override", "DELETE, POST"),
-    ("POST", "/v1/sessions/{session}", "GET"),
+    ("POST", "/v1/sessions/{session}", "DELETE, GET"),
     ("GET", "/v1/messages/count_tokens", "POST"),
 ])
 def test_a_method_a_path_lacks_is_405_naming_the_methods_it_has(rec: Recorded, method: str, path: str,

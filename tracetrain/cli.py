@@ -322,17 +322,16 @@ def purge_cmd(config: Config) -> None:
     """Clear the content of every session past its retention now, as the gateway does on its schedule."""
     import asyncio
 
-    from tracetrain.proxy.auth import fingerprint
+    from tracetrain.compose import retention_rules
     from tracetrain.store import retention
     from tracetrain.store.db import open_db
     from tracetrain.store.writer import StoreWriter
 
-    if not config.retains():
+    rules = retention_rules(config)
+    if rules is None:
         print("nothing to purge: neither store.retention_days nor any key's retention_days is set")
         return
     db = open_db(config.store.url)  # an out-of-date store is refused
-    rules = retention.Retention(config.store.retention_days, {
-        fingerprint(key): days for key, days in config.gateway.retention_by_key().items()})
 
     async def run() -> int:
         # Through a store writer, as the gateway writes: on SQLite it takes turns with running gateways.

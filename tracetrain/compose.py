@@ -29,6 +29,7 @@ from tracetrain.proxy.redact import Redactors
 from tracetrain.proxy.render import ChatRenderer
 from tracetrain.proxy.session_directory import SessionDirectory
 from tracetrain.redaction.redactor import Redactor
+from tracetrain.store.retention import Retention
 from tracetrain.store.writer import StoreWriter
 
 Publish = Callable[[Checkpoint], Coroutine[Any, Any, None]]
@@ -59,9 +60,18 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         publishing=publishing, admission=Admission(config, db, metrics), holds=holds,
         keys=KeyRing(config.gateway.agent_keys(), config.gateway.admin_key,
                      untrained=config.gateway.untrained_keys()),
-        metrics=metrics, redactors=redactors(config.gateway), load=load,
+        metrics=metrics, redactors=redactors(config.gateway), load=load, retention=retention_rules(config),
         engine_sleep=engine_sleep,
         services=[make(publishing.publish, holds.hold_for_training) for make in services])
+
+
+def retention_rules(config: Config) -> Retention | None:
+    """`store.retention_days`, with the keys' own by fingerprint (a session's `owner`); None when no session's
+    content ever expires."""
+    if not config.retains():
+        return None
+    return Retention(config.store.retention_days, {
+        fingerprint(key): days for key, days in config.gateway.retention_by_key().items()})
 
 
 def redactors(config: GatewayConfig) -> Redactors:

@@ -23,7 +23,7 @@ from sqlmodel import Session
 from tracetrain.config import Config
 from tracetrain.engines.base import Engine
 from tracetrain.proxy.admission import Admission
-from tracetrain.proxy.auth import KeyRing, fingerprint
+from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.holds import GenerationHolds, mirror_store_holds
@@ -58,8 +58,8 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, renderer: ChatRenderer, db: DBEngine, *,
                  writer: StoreWriter, sessions: SessionDirectory, publishing: PublishController,
                  admission: Admission, holds: GenerationHolds, keys: KeyRing, metrics: GatewayMetrics,
-                 redactors: Redactors, load: Load, engine_sleep: EngineSleep | None = None,
-                 services: Sequence[Service] = ()) -> None:
+                 redactors: Redactors, load: Load, retention: retention.Retention | None = None,
+                 engine_sleep: EngineSleep | None = None, services: Sequence[Service] = ()) -> None:
         self.config = config
         self.engine = engine
         self.renderer = renderer
@@ -77,6 +77,8 @@ class Gateway:
         self.redactors = redactors
         """What is kept of each call (`gateway.redaction`, `gateway.redaction_patterns`, a key's own
         `redaction`; proxy/redact.py)."""
+        self.retention = retention
+        """How long sessions keep their content (`store.retention_days`, a key's own); None: forever."""
         self.metrics = metrics
         self.engine_sleep = engine_sleep
         """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""
@@ -91,8 +93,8 @@ class Gateway:
         await self.publishing.start()
         self._tasks.append(asyncio.create_task(mirror_store_holds(self.holds, lambda: self.read(active_holders))))
         self._tasks.append(asyncio.create_task(self._index_search()))
-        if self.config.retains():
-            self._tasks.append(asyncio.create_task(self._purge_expired()))
+        if self.retention is not None:
+            self._tasks.append(asyncio.create_task(self._purge_expired(self.retention)))
         if self.engine_sleep is not None:
             self._tasks.append(asyncio.create_task(self.engine_sleep.run()))
         for service in self.services:
@@ -139,21 +141,12 @@ class Gateway:
                 indexed = 0
             seen = self.writer.committed_ops
 
-    def retention_rules(self) -> retention.Retention:
-        """`store.retention_days`, with the keys' own settings by fingerprint (the sessions' `owner`)."""
-        return retention.Retention(self.config.store.retention_days, {
-            fingerprint(key): days for key, days in self.config.gateway.retention_by_key().items()})
-
-    async def purge_expired(self, *, actor: str | None = "retention") -> int:
-        """Clear the content of every session past its retention (store/retention.py); how many."""
-        return await retention.purge(self.writer.submit, self.db, retention=self.retention_rules(), actor=actor)
-
-    async def _purge_expired(self) -> None:
+    async def _purge_expired(self, rules: retention.Retention) -> None:
         """Purge as the gateway starts, then every `store.retention_interval_s`; each batch of sessions is one
         writer transaction, so calls keep being recorded in between."""
         while True:
             try:
-                purged = await self.purge_expired()
+                purged = await retention.purge(self.writer.submit, self.db, retention=rules, actor="retention")
                 if purged:
                     log.info("retention: cleared the content of %d sessions", purged)
             except Exception as exc:  # the store briefly away: the next round goes on where this one stopped

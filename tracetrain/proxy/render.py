@@ -114,7 +114,7 @@ def parse_reply(text: str, *, tools_enabled: bool, cut: bool = False,
     if not tools_enabled:
         return text, []
     if TOOL_CALL_OPEN not in text:
-        opened = _partial_end(text, TOOL_CALL_OPEN) if cut else 0
+        opened = partial_end(text, TOOL_CALL_OPEN) if cut else 0
         return (text[:-opened].rstrip() if opened else text), []
     blocks = text.split(TOOL_CALL_OPEN)[1:]
     read: list[tuple[str, bool, dict[str, Any] | None]] = []
@@ -129,7 +129,7 @@ def parse_reply(text: str, *, tools_enabled: bool, cut: bool = False,
     return text[: text.index(TOOL_CALL_OPEN)].rstrip(), calls
 
 
-def _partial_end(text: str, marker: str) -> int:
+def partial_end(text: str, marker: str) -> int:
     """How many of `text`'s last characters begin `marker` without being all of it (0: none)."""
     return next((k for k in range(len(marker) - 1, 0, -1) if text.endswith(marker[:k])), 0)
 
@@ -137,7 +137,7 @@ def _partial_end(text: str, marker: str) -> int:
 def _unread_block(block: str, *, tail: bool) -> dict[str, Any]:
     """A block that names no tool, beside calls: a `call_raw_` call with no name and the block as written for
     arguments (less a closing tag the text ended in), as a call whose arguments are not JSON comes back."""
-    closing = _partial_end(block, TOOL_CALL_CLOSE) if tail else 0
+    closing = partial_end(block, TOOL_CALL_CLOSE) if tail else 0
     arguments = block[:-closing].rstrip() if closing else block
     return {"id": f"{RAW_CALL_PREFIX}{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": "", "arguments": arguments}}
@@ -161,7 +161,7 @@ def parse_forced_call(text: str, *, cut: bool = False, names: tuple[str, ...] = 
 
 def _read_call(block: str, *, cut: bool, names: tuple[str, ...], tail: bool) -> dict[str, Any] | None:
     """One call's JSON object as text (`tail`: the text ended in it, maybe in a partial closing tag)."""
-    closing = _partial_end(block, TOOL_CALL_CLOSE) if tail else 0
+    closing = partial_end(block, TOOL_CALL_CLOSE) if tail else 0
     candidates = [block, block[:-closing].rstrip()] if closing else [block]
     for candidate in candidates:
         try:

@@ -27,7 +27,14 @@ from tracetrain.proxy.constraints import Constraint
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.gateway import Gateway
 from tracetrain.proxy.redact import RequestRedaction, chat_states, extends_exactly, keep_call, redact_request
-from tracetrain.proxy.render import TOOL_CALL_OPEN, cut_call, history_hashes, parse_forced_call, parse_reply
+from tracetrain.proxy.render import (
+    TOOL_CALL_OPEN,
+    cut_call,
+    history_hashes,
+    parse_forced_call,
+    parse_reply,
+    partial_end,
+)
 from tracetrain.proxy.retries import Retried, find_retried
 from tracetrain.store import corrections, queries, retries
 from tracetrain.store.codec import encode_floats, encode_ids
@@ -89,10 +96,8 @@ class Choice:
         start = self.text.find(TOOL_CALL_OPEN)
         if start >= 0:
             return self.text[:start].rstrip()
-        for k in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
-            if self.text.endswith(TOOL_CALL_OPEN[:k]):
-                return self.text[:-k].rstrip()
-        return self.text.rstrip()
+        opened = partial_end(self.text, TOOL_CALL_OPEN)
+        return (self.text[:-opened] if opened else self.text).rstrip()
 
 
 @dataclass

@@ -1107,12 +1107,13 @@ DEVICE_IMAGE_PACKAGES = frozenset(_IMAGE_PACKAGE_LIST.split())
 
 CARRIED = ("annotated-types", "pydantic", "pydantic-core", "typing-inspection", "pydantic-settings", "python-dotenv",
            "sqlalchemy", "sqlmodel", "verl", "omegaconf", "antlr4-python3-runtime", "codetiming", "tensordict",
-           "pyvers", "ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py")
+           "pyvers", "ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "orjson")
 """What parts 1 and 2 import that the image lacks: tracetrain.config (pydantic, pydantic-settings),
 trainer/data.py (sqlmodel, via the store), and verl's algorithm registries (verl/__init__ imports
-verl.protocol, which imports ray and tensordict at the top)."""
+verl.protocol, which imports ray and tensordict at the top; verl.utils.tracking imports orjson at the top,
+which the first device run found missing)."""
 OPTIONAL = {"dill": "torch imports it only if present", "zstandard": "httpx decodes zstd only if present",
-            "orjson": "tensordict prefers it when present", "jsonpointer": "jsonschema's format checker, if present",
+            "jsonpointer": "jsonschema's format checker, if present",
             "greenlet": "SQLAlchemy's asyncio only"}
 """Imported here when installed, but not needed: left behind."""
 SDIST_ONLY = {"antlr4-python3-runtime"}
@@ -1357,12 +1358,29 @@ def collect(directory: Path, results_dir: Path) -> tuple[Path, Path]:
         raise SystemExit(f"no gpu_check_part*.json under {directory}")
     info = {**parts[0]["provenance"], "ended_utc": max(p["provenance"]["ended_utc"] for p in parts)}
     body = "\n".join(line for part in parts for line in part_markdown(part))
-    notes = [f"measured on the device by: `{parts[0].get('device_command', '?')}`",
+    notes = [f"parts {', '.join(str(p['part']) for p in parts)} measured on the device; a part alone runs as "
+             f"`{parts[0].get('device_command', '?')}`",
              "MFU formula: the module docstring of bench/gpu_check.py; how to run: bench/README.md, \"GPU check\""]
+    tests = gpu_tests_summary(directory / "gpu_tests.log")
+    if tests:
+        notes.append(f"GPU tests in the same run (`pytest -m gpu tests/gpu`): {tests}")
     md_path = write_results("gpu_check", "GPU check (issue 29)", f"python -m bench.gpu_check --collect {directory}",
                             [], notes, raw={"schema": SCHEMA, "source": str(directory), "parts": parts},
                             started=run_started(), results_dir=results_dir, body=body, info=info)
     return md_path.with_suffix(".json"), md_path
+
+
+def gpu_tests_summary(log: Path) -> str | None:
+    """pytest's closing line from the GPU tests' log (`5 passed, 2 warnings in 48.80s`), with the names of any
+    that failed; None when the log is absent."""
+    if not log.is_file():
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    failed = [line.split(" ", 1)[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    counts = (" passed", " failed", " error", " deselected")
+    closing = next((line.strip("= ") for line in reversed(lines) if " in " in line and any(c in line for c in counts)),
+                   "no summary line")
+    return closing + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
 def _parse_parts(value: str) -> tuple[int, ...]:

@@ -137,6 +137,10 @@ class TrainConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
     compute."""
+    torch_compile: bool = False
+    """Compile each decoder layer with torch.compile: its norms, activations and rotary embeddings run
+    as fused kernels instead of one kernel each. The first steps are slower while it compiles (again for
+    each new sequence length until it compiles for any length); on a CPU it needs a C++ compiler."""
     ray_address: str | None = None
     """Ray cluster to place `fsdp` workers on (`auto` for the one this machine belongs to); None starts
     a local Ray."""

@@ -66,6 +66,16 @@ def autocast(cfg: TrainConfig, device: str) -> torch.autocast:
                           enabled=cfg.dtype == "bfloat16")
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """`train.torch_compile`: compile each decoder layer's `forward`. Per layer, because the layers share
+    one shape, so one compiled graph serves them all. Only `forward`, not the module's call: the hooks
+    around it (FSDP's gathering, gradient checkpointing) stay eager, and parameter names and checkpoints
+    stay those of the plain model. The head stays eager too, since it runs only where the mask is set, a
+    shape that depends on the data (step.SampledLogits)."""
+    for layer in model.get_decoder().layers:  # type: ignore[operator]
+        layer.forward = torch.compile(layer.forward)
+
+
 def release_cached_memory() -> None:
     """Hand the memory torch's allocator keeps cached after a step back to the GPU, so that a vLLM that
     slept through the step (`engine.sleep`) can wake into it. A no-op without CUDA."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.data import Sample
-from tracetrain.trainer.devices import resolve_device
+from tracetrain.trainer.devices import compile_layers, resolve_device
 from tracetrain.trainer.step import BatchShare, SampledLogits, StepInputs, token_logprobs, train_step
 
 
@@ -65,6 +65,8 @@ class FSDPWorker:
         self.model = checkpoint.build_model(base_dir, cfg).to(self.device)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.torch_compile:
+            compile_layers(self.model)
         self.policy = self._shard(SampledLogits(self.model))
         # not fused: the fused CPU kernel does not take FSDP's sharded (DTensor) parameters
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,

@@ -11,7 +11,7 @@ import torch
 from tracetrain.config import TrainConfig
 from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.backend import StepBatch
-from tracetrain.trainer.devices import autocast, local_device
+from tracetrain.trainer.devices import autocast, compile_layers, local_device
 from tracetrain.trainer.step import SampledLogits, StepInputs, dpo_step, sft_step, token_logprobs, train_step
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class LocalBackend:
                 self.optimizer.load_state_dict(checkpoint.load_state(resume)["optimizer"])
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.torch_compile:
+            compile_layers(self.model)
         self.policy = SampledLogits(self.model)
         self.reference = self._reference(base_dir) if cfg.kl_coef > 0 or cfg.algorithm == "dpo" else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)

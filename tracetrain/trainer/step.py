@@ -56,7 +56,8 @@ class SampledLogits(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+        # no KV cache: nothing reads it in a scoring pass, and filling it guards compiled layers on their index
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self.model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where])  # type: ignore[no-any-return]
 
 

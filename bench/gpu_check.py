@@ -47,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -86,7 +87,7 @@ PART_TITLES = {
     2: "Equivalence and precision (bf16 vs float32 logprobs, FSDP2 vs local step, LoRA adapter vs merged)",
     3: "vLLM on the GPU: publish latency and serve --train (prepared, not yet run)",
 }
-PART_BUDGET_S = {1: 270.0, 2: 150.0, 3: 420.0}
+PART_BUDGET_S = {1: 360.0, 2: 150.0, 3: 420.0}
 """Each part's own time budget on the GPU machine (model builds included): a measurement whose budget
 estimate no longer fits is skipped and recorded as such. Parts 1 and 2 together, with the imports, the
 wheel install and the GPU tests, fit one device call of DEVICE_TIMEOUT_S."""
@@ -446,14 +447,16 @@ def part_markdown(part: dict[str, Any]) -> list[str]:
         rows = []
         for r in results:
             if r["status"] != "ok":
-                rows.append([r["name"], r["status"], r.get("error") or r.get("reason", "")] + [""] * 11)
+                rows.append([r["name"], r["status"], r.get("error") or r.get("reason", "")] + [""] * 12)
                 continue
             rows.append([r["name"], r["model"], f"{r['params']['total']:,}", r["mode"],
                          f"{r['sequences']}×{r['seq_len']}", str(r["micro_batch_tokens"]),
-                         "on" if r["activation_checkpointing"] else "off", _fmt(r["step_s_mean"]),
+                         "on" if r["activation_checkpointing"] else "off",
+                         "on" if r.get("torch_compile") else "off", _fmt(r["step_s_mean"]),
                          f"{r['tokens_per_s']:,.0f}", _fmt(r["achieved_tflops"]), _pct(r["mfu"]),
                          _pct(r["mfu_6nd"]), _fmt(r["peak_memory_gib"]), f"{r['timed_steps']} (+{r['warmup_steps']})"])
-        lines += _table(["run", "model", "params", "mode", "seqs×len", "micro tokens", "act. ckpt", "step s",
+        lines += _table(["run", "model", "params", "mode", "seqs×len", "micro tokens", "act. ckpt", "compiled",
+                         "step s",
                          "tokens/s", "model TFLOP/s", "MFU", "MFU (6ND)", "peak GiB", "timed (+warm-up)"], rows)
     elif part["part"] == 2:
         rows = []
@@ -494,6 +497,7 @@ class ThroughputRun:
     estimate_s: float
     activation_checkpointing: bool = False
     sampled_fraction: float = 0.5
+    torch_compile: bool = False
 
 
 def throughput_plan(dry_run: bool) -> list[ThroughputRun]:
@@ -506,6 +510,8 @@ def throughput_plan(dry_run: bool) -> list[ThroughputRun]:
     return [
         ThroughputRun("135m full", SMOLLM2_135M, False, 2048, 32, 16384, 30),
         ThroughputRun("1b full", LLAMA_1B, False, 2048, 16, 8192, 60),
+        ThroughputRun("1b full, compiled", LLAMA_1B, False, 2048, 16, 8192, 90, torch_compile=True),
+        ThroughputRun("1b full, compiled, micro 16k", LLAMA_1B, False, 2048, 16, 16384, 70, torch_compile=True),
         ThroughputRun("1b lora", LLAMA_1B, True, 2048, 16, 8192, 45),
         ThroughputRun("135m lora", SMOLLM2_135M, True, 2048, 32, 16384, 25),
         ThroughputRun("1b full, micro 16k", LLAMA_1B, False, 2048, 16, 16384, 45),
@@ -533,7 +539,7 @@ def measure_throughput(run: ThroughputRun, *, device: str, dtype: str, work: Pat
     built = time.perf_counter()
     cfg = train_config(work, device="cuda" if device.startswith("cuda") else device, dtype=dtype, lora=run.lora,
                        lr=2e-4 if run.lora else 1e-5, micro_batch_tokens=run.micro_batch_tokens,
-                       activation_checkpointing=run.activation_checkpointing)
+                       activation_checkpointing=run.activation_checkpointing, torch_compile=run.torch_compile)
     torch.manual_seed(cfg.seed)
     backend = LocalBackend(cfg, base, None)
     loaded = time.perf_counter()
@@ -573,6 +579,7 @@ def measure_throughput(run: ThroughputRun, *, device: str, dtype: str, work: Pat
             "params": counts, "seq_len": run.seq_len, "sequences": run.sequences, "tokens_per_step": flops["tokens"],
             "sampled_fraction": run.sampled_fraction, "micro_batch_tokens": run.micro_batch_tokens,
             "micro_batches": figures.get("micro_batches"), "activation_checkpointing": run.activation_checkpointing,
+            "torch_compile": run.torch_compile,
             "dtype": dtype, "device": device, "warmup_steps": warmup, "timed_steps": len(times),
             "step_s": [round(t, 4) for t in times], "step_s_mean": mean, "step_s_median": statistics.median(times),
             "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": flops["tokens"] / mean,
@@ -584,7 +591,8 @@ def measure_throughput(run: ThroughputRun, *, device: str, dtype: str, work: Pat
             "loss_first": losses[0], "loss_last": losses[-1], "grad_norm_last": figures.get("grad_norm")}
 
 
-def run_part1(part: Part, *, device: str, dtype: str, work: Path, warmup: int, steps: int) -> None:
+def run_part1(part: Part, *, device: str, dtype: str, work: Path, warmup: int, steps: int,
+              runs: str | None = None) -> None:
     from tracetrain.trainer.step import train_step
 
     peak = peak_for(provenance(part.sha, part.started_run).get("device_name")) if device.startswith("cuda") else None
@@ -597,7 +605,11 @@ def run_part1(part: Part, *, device: str, dtype: str, work: Path, warmup: int, s
     part.notes.append("MFU counts model FLOPs (formula in bench/gpu_check.py's docstring); recomputation under "
                       "activation checkpointing is not counted. Step time is wall time around LocalBackend.step, "
                       "CUDA synchronised, batch collation included.")
+    if runs:
+        part.notes.append(f"only the runs matching `{runs}` (--runs)")
     for run in throughput_plan(part.dry_run):
+        if runs and not re.search(runs, run.name):
+            continue
         part.measure(run.name, run.estimate_s, functools.partial(
             measure_throughput, run, device=device, dtype=dtype, work=work, warmup=warmup, steps=steps, peak=peak))
     best = [r for r in part.results if r["status"] == "ok" and r.get("model") == LLAMA_1B.name
@@ -1280,7 +1292,8 @@ def device_commands(sha: str) -> list[dict[str, Any]]:
 
 
 def run_parts(parts: tuple[int, ...], *, out: Path, dry_run: bool, sha: str, device: str, dtype: str, work: Path,
-              warmup: int, steps: int, budget_s: float | None, vllm: str | None, memory_share: float) -> None:
+              warmup: int, steps: int, budget_s: float | None, vllm: str | None, memory_share: float,
+              runs: str | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     if parts != (3,):
         from transformers.utils import logging as hf_logging
@@ -1292,7 +1305,7 @@ def run_parts(parts: tuple[int, ...], *, out: Path, dry_run: bool, sha: str, dev
         part.save()
         try:
             if number == 1:
-                run_part1(part, device=device, dtype=dtype, work=work, warmup=warmup, steps=steps)
+                run_part1(part, device=device, dtype=dtype, work=work, warmup=warmup, steps=steps, runs=runs)
             elif number == 2:
                 run_part2(part, device=device, dtype=dtype, work=work)
             else:
@@ -1404,6 +1417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per throughput run")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per throughput run")
     parser.add_argument("--budget-s", type=float, help="override each part's time budget")
+    parser.add_argument("--runs", help="part 1: only the throughput runs whose name this regex finds")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
     parser.add_argument("--vllm-python", help="part 3: the interpreter that runs vLLM (default: this one)")
     parser.add_argument("--engine-memory-share", type=float, default=0.3, help="part 3: vLLM's GPU memory share")
@@ -1431,7 +1445,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     run_parts(args.part, out=args.out, dry_run=False, sha=sha, device=device, dtype=args.dtype, work=args.work_dir,
               warmup=args.warmup, steps=args.steps, budget_s=args.budget_s, vllm=args.vllm_python,
-              memory_share=args.engine_memory_share)
+              memory_share=args.engine_memory_share, runs=args.runs)
     return 0
 
 

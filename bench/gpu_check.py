@@ -1363,22 +1363,28 @@ def print_plan(plan: dict[str, Any]) -> None:
               f"{'fits' if sizes['fits'] else 'does NOT fit'} the 64 MiB carry")
 
 
-def collect(directory: Path, results_dir: Path) -> tuple[Path, Path]:
-    """Combine the returned part files into `results_dir/gpu_check.{json,md}` through bench.common's writer,
-    with the device run's provenance: the first part's, ending when the last part ended."""
-    parts = load_parts(directory)
+def collect(directories: list[Path], results_dir: Path) -> tuple[Path, Path]:
+    """Combine the returned part files of one or more device calls into `results_dir/gpu_check.{json,md}`
+    through bench.common's writer, each part under its own provenance line, in part order then time; the
+    file's provenance is the first part's, ending when the last part ended."""
+    parts = sorted((part for directory in directories for part in load_parts(directory)),
+                   key=lambda p: (p.get("part", 0), p["provenance"].get("started_utc", "")))
     if not parts:
-        raise SystemExit(f"no gpu_check_part*.json under {directory}")
+        raise SystemExit(f"no gpu_check_part*.json under {', '.join(map(str, directories))}")
     info = {**parts[0]["provenance"], "ended_utc": max(p["provenance"]["ended_utc"] for p in parts)}
     body = "\n".join(line for part in parts for line in part_markdown(part))
     notes = [f"parts {', '.join(str(p['part']) for p in parts)} measured on the device; a part alone runs as "
              f"`{parts[0].get('device_command', '?')}`",
              "MFU formula: the module docstring of bench/gpu_check.py; how to run: bench/README.md, \"GPU check\""]
-    tests = gpu_tests_summary(directory / "gpu_tests.log")
-    if tests:
-        notes.append(f"GPU tests in the same run (`pytest -m gpu tests/gpu`): {tests}")
-    md_path = write_results("gpu_check", "GPU check (issue 29)", f"python -m bench.gpu_check --collect {directory}",
-                            [], notes, raw={"schema": SCHEMA, "source": str(directory), "parts": parts},
+    for directory in directories:
+        tests = gpu_tests_summary(directory / "gpu_tests.log")
+        if tests:
+            started = min(p["provenance"].get("started_utc", "") for p in load_parts(directory))
+            notes.append(f"GPU tests in the device call of {started} (`pytest -m gpu tests/gpu`): {tests}")
+    # the folders are where this machine put the returned files: only the count says anything elsewhere
+    command = f"python -m bench.gpu_check --collect DIR ... ({len(directories)} device call(s))"
+    md_path = write_results("gpu_check", "GPU check (issue 29)", command,
+                            [], notes, raw={"schema": SCHEMA, "device_calls": len(directories), "parts": parts},
                             started=run_started(), results_dir=results_dir, body=body, info=info)
     return md_path.with_suffix(".json"), md_path
 
@@ -1408,7 +1414,8 @@ def main(argv: list[str] | None = None) -> int:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--part", type=_parse_parts, help="part(s) to run, e.g. 1 or 1,2")
     action.add_argument("--dry-run", action="store_true", help="every part at tiny sizes on this CPU, and the plan")
-    action.add_argument("--collect", type=Path, metavar="DIR", help="returned files -> bench/results/gpu_check.*")
+    action.add_argument("--collect", type=Path, nargs="+", metavar="DIR",
+                        help="returned files of one or more device calls -> bench/results/gpu_check.*")
     action.add_argument("--wheels", type=Path, metavar="DIR", help="fetch the wheels parts 1-2 need into DIR")
     parser.add_argument("--out", type=Path, help="where the part files go ($OUT on the device machine)")
     parser.add_argument("--git-sha", help="the commit being checked (the device's copy may have no .git)")

@@ -77,6 +77,11 @@ class TrainConfig(BaseModel):
     """Usable sessions per training step: whole groups, freshest first (so up to one group more when
     group sizes do not add up to it); zero-variance groups are replaced by more groups (DAPO's dynamic
     sampling)."""
+    flat_groups: Literal["set_aside", "baseline"] = "set_aside"
+    """Groups whose rewards are all equal (all failed, or all succeeded), under a group estimator.
+    `set_aside`: replaced by more groups (DAPO's dynamic sampling); on a hard task that discards most of
+    what the agents generate. `baseline`: trained against the running baseline instead, so an all-fail
+    group pushes away from what failed and a rare all-success group pays fully."""
     min_sessions: int = Field(default=0, ge=0)
     """Fewest usable sessions a step trains on, and only after waiting `fill_timeout_s` for a full batch;
     0: half of `batch_sessions`."""

@@ -89,6 +89,23 @@ def test_singletons_use_the_running_baseline_and_groups_use_verl() -> None:
     assert baseline.value("solo") == pytest.approx(0.7)
 
 
+def test_flat_groups_are_trained_against_the_running_baseline_when_asked() -> None:
+    """An all-fail and an all-success group beside a mixed one: by default verl gives the flat groups
+    nothing; with `flat_groups: baseline` every member gets its reward minus the baseline as it stood
+    before the group, whatever its place in the group."""
+    samples = [_sample("fail", 0.0), _sample("fail", 0.0), _sample("win", 1.0), _sample("win", 1.0),
+               _sample("mixed", 1.0), _sample("mixed", 0.0)]
+    plain = rl_advantages(samples, TrainConfig(advantage="rloo"), RunningBaseline(momentum=0.5))
+    assert plain[:4] == [0.0, 0.0, 0.0, 0.0]
+    baseline = RunningBaseline(momentum=0.5, overall=0.25)
+    advantages = rl_advantages(samples, TrainConfig(advantage="rloo", flat_groups="baseline"), baseline)
+    assert advantages[:2] == pytest.approx([-0.25, -0.25])  # both against the overall 0.25
+    # then against the overall after those two failures at momentum 0.5: 0.25 -> 0.125 -> 0.0625
+    assert advantages[2:4] == pytest.approx([0.9375, 0.9375])
+    assert advantages[4:] == pytest.approx([1.0, -1.0])  # the mixed group keeps verl's RLOO
+    assert baseline.value("fail") == pytest.approx(0.0) and baseline.value("win") == pytest.approx(1.0)
+
+
 def test_zero_variance_groups_are_found() -> None:
     samples = [_sample("a", 1.0), _sample("a", 1.0), _sample("b", 1.0), _sample("b", 0.0), _sample("c", 0.0)]
     assert zero_variance_groups(samples) == {"a"}

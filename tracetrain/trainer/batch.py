@@ -5,8 +5,10 @@ groups freshest first, and sets aside groups whose rewards are all equal (no sig
 baseline) so that more groups take their place: DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An
 Open-Source LLM Reinforcement Learning System at Scale", section 3.2), with a deadline instead of a
 count of generation batches because generation here is whoever the agents are, not the trainer.
-A step waits for `batch_sessions` usable sessions; with at least `min_sessions` it waits at most
-`fill_timeout_s` more; with fewer it waits as long as it takes rather than train on a handful.
+With `flat_groups: baseline` such groups are kept and trained against the running baseline instead
+(trainer/step.py's `rl_advantages`). A step waits for `batch_sessions` usable sessions; with at least
+`min_sessions` it waits at most `fill_timeout_s` more; with fewer it waits as long as it takes rather
+than train on a handful.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class BatchGatherer:
                                           include_set_aside=not rl)
             samples = load_samples(s, claimed, gamma=self.cfg.gamma)
         unusable: dict[str, set[str]] = {}
-        if rl and self.cfg.advantage in GROUP_ESTIMATORS:
+        if rl and self.cfg.advantage in GROUP_ESTIMATORS and self.cfg.flat_groups == "set_aside":
             flat = zero_variance_groups(samples)
             unusable["zero_variance"] = {x.session_id for x in samples if x.group_id in flat}
         # Every call cut off before a sampled token: nothing to learn from.

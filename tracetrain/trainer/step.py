@@ -15,7 +15,7 @@ from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.algorithms.dpo import dpo_loss, preference_pairs
 from tracetrain.trainer.algorithms.importance import truncated_is_weights
 from tracetrain.trainer.algorithms.sft import select_for_sft, sft_loss
-from tracetrain.trainer.data import MicroBatch, Sample, collate, pack
+from tracetrain.trainer.data import MicroBatch, Sample, collate, pack, zero_variance_groups
 
 
 @dataclass
@@ -92,15 +92,24 @@ def sequence_logprobs(policy: SampledLogits, micro: MicroBatch, *, entropy: bool
 
 
 def rl_advantages(samples: list[Sample], cfg: TrainConfig, baseline: RunningBaseline) -> list[float]:
-    """Scalar advantage per sample: verl's estimator for real groups, the running baseline for singletons."""
-    sizes: dict[str, int] = {}
-    for s in samples:
-        sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
-    singles = [i for i, s in enumerate(samples) if sizes[s.group_id] == 1]
-    grouped = [i for i, s in enumerate(samples) if sizes[s.group_id] > 1]
+    """Scalar advantage per sample: verl's estimator for real groups, the running baseline for singletons
+    and, with `flat_groups: baseline`, for groups whose rewards are all equal."""
+    members: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        members.setdefault(s.group_id, []).append(i)
+    flat = zero_variance_groups(samples) if (cfg.flat_groups == "baseline"
+                                             and cfg.advantage in verl_ops.GROUP_ESTIMATORS) else set()
     advantages = [0.0] * len(samples)
-    for i in singles:
-        advantages[i] = baseline.advantage(samples[i].group_id, samples[i].reward)
+    grouped: list[int] = []
+    for group, indices in members.items():
+        if len(indices) == 1:
+            advantages[indices[0]] = baseline.advantage(group, samples[indices[0]].reward)
+        elif group in flat:
+            against = baseline.flat_group(group, [samples[i].reward for i in indices])
+            for i, value in zip(indices, against, strict=True):
+                advantages[i] = value
+        else:
+            grouped += indices
     if grouped:
         mask = torch.ones(len(grouped), 1)
         rewards = torch.tensor([samples[i].reward for i in grouped])

@@ -28,6 +28,16 @@ class RunningBaseline:
         self.update(group, reward)
         return advantage
 
+    def flat_group(self, group: str, rewards: list[float]) -> list[float]:
+        """A group whose rewards are all equal, which a group estimator gives no signal: each reward minus
+        the baseline as it stood before the group, the same for every member whatever their order; then
+        the baseline moves. Deviation from GRPO: these advantages are not divided by a standard deviation
+        (there is none), as in Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training")."""
+        value = self.value(group)
+        for reward in rewards:
+            self.update(group, reward)
+        return [reward - value for reward in rewards]
+
     def update(self, group: str, reward: float) -> None:
         self.by_group[group] = self._mix(self.by_group.get(group), reward)
         self.overall = self._mix(self.overall, reward)

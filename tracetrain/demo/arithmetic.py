@@ -7,6 +7,13 @@ It knows nothing about tracetrain beyond a base URL (which binds the session and
 reward endpoint. Each problem is attempted `--group-size` times in one group, so group baselines
 (GRPO, RLOO) have something to compare.
 
+**Traffic as production agents send it** (bench/learning_arms.py compares these): `--group-size 1
+--no-group` attempts each problem once and names no group (the gateway then groups repeats of the same
+prompt); `--reward-delay LO HI` posts each reward LO to HI seconds after its episode, so rewards arrive
+late and out of order; `--reward-share P` rewards only that share of episodes (the rest never get one);
+`--reward-flip P` flips that share of rewards (r -> 1 - r); `--reward exact` pays only an exact answer,
+a task where most attempts of the base model earn nothing.
+
 **The split.** Sums `a + b` with 1 <= a, b <= 30 are split once, by a fixed seed, on the *unordered*
 pair {a, b}: `TEST` (the held-out set every figure is measured on), `VALIDATION` (for choosing
 settings such as the learning rate) and `TRAIN` (everything training episodes draw from, in either
@@ -24,6 +31,7 @@ import re
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -92,6 +100,30 @@ def messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, *shots, {"role": "user", "content": question}]
 
 
+def exact_score(reply: str, answer: int) -> float:
+    """1 for exactly the right number, else 0: no partial credit, so most groups of the base model fail
+    together."""
+    return 1.0 if reply.strip() == str(answer) else 0.0
+
+
+@dataclass(frozen=True)
+class RewardPlan:
+    """What happens to one episode's reward: posted or not, when, and whether it is flipped. Drawn from
+    the agent's seed before the episode runs, so the same seed gives the same plan in every arm."""
+
+    post: bool
+    delay_s: float
+    flip: bool
+
+    @classmethod
+    def draw(cls, rng: random.Random, *, share: float, delay: tuple[float, float], flip: float) -> RewardPlan:
+        post, delay_s, flipped = rng.random() < share, rng.uniform(*delay), rng.random() < flip
+        return cls(post, delay_s, flipped)
+
+    def reward(self, value: float) -> float:
+        return round(1.0 - value, 4) if self.flip else value
+
+
 def score(reply: str, answer: int) -> float:
     """1 for exactly the right number; otherwise up to 0.5 for how close the first number is (0.5 when
     it is right but other text follows). Partial credit gives a 135M model a gradient to climb."""
@@ -113,42 +145,56 @@ async def attempt(client: AsyncOpenAI, model: str, question: str, temperature: f
 
 async def train_episodes(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
+    plans = random.Random(args.seed + 1)  # its own stream: the problems stay those of the plain agent
+    scorer = exact_score if args.reward == "exact" else score
     limit = asyncio.Semaphore(args.concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     done, total, started = 0, 0.0, time.monotonic()
     deadline = started + args.minutes * 60 if args.minutes else None
+    pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(headers=headers, timeout=120) as http:
 
-        async def one(question: str, answer: int, group: str) -> None:
+        async def post_reward(session: str, reward: float, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            posted = await http.post(f"{args.gateway}/v1/rewards",
+                                     json={"session_id": session, "reward": reward, "final": True})
+            posted.raise_for_status()
+
+        async def one(question: str, answer: int, group: str, plan: RewardPlan) -> None:
             nonlocal done, total
             async with limit:
                 session = f"arith-{uuid.uuid4().hex[:12]}"
                 # A gateway under `gateway.admission: staleness` answers 429 with Retry-After while the trainer
                 # catches up; the SDK waits that long and retries, as often as this allows.
-                client = AsyncOpenAI(base_url=f"{args.gateway}/s/{session}/g/{group}/v1", api_key=args.api_key,
+                binding = f"/s/{session}" if args.no_group else f"/s/{session}/g/{group}"
+                client = AsyncOpenAI(base_url=f"{args.gateway}{binding}/v1", api_key=args.api_key,
                                      max_retries=RETRIES)
                 try:
                     reply, version = await attempt(client, args.model, question, args.temperature)
                 except APIError as exc:  # one lost episode is not worth stopping the agent for
                     print(f"episode {session} failed: {exc}", file=sys.stderr, flush=True)
                     return
-                reward = score(reply, answer)
-                posted = await http.post(f"{args.gateway}/v1/rewards",
-                                         json={"session_id": session, "reward": reward, "final": True})
-                posted.raise_for_status()
-                done, total = done + 1, total + reward
-                if args.log:
-                    print(json.dumps({"t": round(time.monotonic() - started, 2), "version": version,
-                                      "reward": reward}), flush=True)
-                elif done % 16 == 0:
-                    print(f"episodes {done}  mean reward {total / done:.3f}  "
-                          f"({done / (time.monotonic() - started):.2f} episodes/s)", flush=True)
+            reward = scorer(reply, answer)
+            if plan.post:
+                task = asyncio.create_task(post_reward(session, plan.reward(reward), plan.delay_s))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            done, total = done + 1, total + reward
+            if args.log:  # the true reward, whatever the trainer is told
+                print(json.dumps({"t": round(time.monotonic() - started, 2), "version": version,
+                                  "reward": reward, "posted": plan.post}), flush=True)
+            elif done % 16 == 0:
+                print(f"episodes {done}  mean reward {total / done:.3f}  "
+                      f"({done / (time.monotonic() - started):.2f} episodes/s)", flush=True)
 
         episode = 0
         while (args.episodes is None or episode < args.episodes) and (deadline is None or time.monotonic() < deadline):
             question, answer, group = make_problem(rng)
-            await asyncio.gather(*(one(question, answer, group) for _ in range(args.group_size)))
+            draws = [RewardPlan.draw(plans, share=args.reward_share, delay=args.reward_delay, flip=args.reward_flip)
+                     for _ in range(args.group_size)]
+            await asyncio.gather(*(one(question, answer, group, plan) for plan in draws))
             episode += args.group_size
+        await asyncio.gather(*pending)  # late rewards still due are posted before the agent ends
 
 
 async def evaluate(args: argparse.Namespace) -> None:
@@ -184,6 +230,14 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--no-group", action="store_true",
+                        help="name no group in the URL (the gateway groups repeats of a prompt itself)")
+    parser.add_argument("--reward", choices=["partial", "exact"], default="partial",
+                        help="partial credit for a close number (default), or only an exact answer")
+    parser.add_argument("--reward-delay", type=float, nargs=2, default=(0.0, 0.0), metavar=("LO", "HI"),
+                        help="post each reward this many seconds after its episode, drawn uniformly")
+    parser.add_argument("--reward-share", type=float, default=1.0, help="share of episodes that get a reward")
+    parser.add_argument("--reward-flip", type=float, default=0.0, help="share of posted rewards flipped")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -193,6 +247,10 @@ def main() -> None:
                         help="with --eval: which held-out set")
     parser.add_argument("--out", help="with --eval: write the summary here")
     args = parser.parse_args()
+    if not 0.0 <= args.reward_share <= 1.0 or not 0.0 <= args.reward_flip <= 1.0:
+        parser.error("--reward-share and --reward-flip are shares between 0 and 1")
+    if not 0.0 <= args.reward_delay[0] <= args.reward_delay[1]:
+        parser.error("--reward-delay takes LO HI with 0 <= LO <= HI")
     if args.episodes is None and args.minutes is None and not args.eval:
         args.episodes = 64
     asyncio.run(evaluate(args) if args.eval else train_episodes(args))

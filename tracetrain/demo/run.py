@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -115,9 +116,11 @@ def _progress(episodes: list[dict[str, float]], policies: list[dict[str, Any]], 
     return table
 
 
-def _train(url: str, minutes: float, seed: int, log_path: Path) -> list[dict[str, float]]:
-    """Run the agent for `minutes`, reading its episode log and the trainer's versions live."""
-    agent = subprocess.Popen([*AGENT, "--gateway", url, "--minutes", str(minutes), "--seed", str(seed), "--log"],
+def _train(url: str, minutes: float, seed: int, log_path: Path, agent_args: list[str]) -> list[dict[str, float]]:
+    """Run the agent for `minutes` (or until `agent_args` ends it sooner), reading its episode log and the
+    trainer's versions live."""
+    agent = subprocess.Popen([*AGENT, "--gateway", url, "--minutes", str(minutes), "--seed", str(seed), "--log",
+                              *agent_args],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     episodes: list[dict[str, float]] = []
     started = time.monotonic()
@@ -137,6 +140,21 @@ def _train(url: str, minutes: float, seed: int, log_path: Path) -> list[dict[str
     if agent.wait() != 0:
         raise SystemExit("the agent failed")
     return episodes
+
+
+def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """How much of what the agents generated the trainer learned from: episodes rewarded, sessions
+    trained on, and sessions set aside by reason, summed over every version's step figures."""
+    listing = httpx.get(f"{url}/v1/policies", timeout=30).json()
+    policies = listing["data"]
+    set_aside: dict[str, int] = {}
+    for policy in policies:
+        for reason, n in policy.get("metrics", {}).get("set_aside", {}).items():
+            set_aside[reason] = set_aside.get(reason, 0) + n
+    trained = sum(p.get("metrics", {}).get("sessions", 0) for p in policies)
+    return {"rewarded_episodes": sum(1 for e in episodes if e.get("posted", True)), "trained_sessions": trained,
+            "set_aside": set_aside, "trained_share": trained / len(episodes) if episodes else 0.0,
+            "left_in_store": listing["sessions"]}
 
 
 def _plot(episodes: list[dict[str, float]], before: dict[str, Any], after: dict[str, Any], path: Path) -> None:
@@ -190,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting, as in `serve --set`: lr=1e-4 (or train.lr=1e-4), "
                              "gateway.admission=staleness")
+    parser.add_argument("--agent-args", default="", metavar="ARGS",
+                        help="more flags for the agent (python -m tracetrain.demo.arithmetic --help), e.g. "
+                             "'--episodes 2000 --group-size 1 --no-group --reward-delay 30 300'")
     args = parser.parse_args(argv)
     try:  # the agent speaks the OpenAI SDK; the trainer needs torch, peft and verl
         import matplotlib  # noqa: F401
@@ -222,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         before = _evaluate(url, args.eval_size, args.out / "eval_before.json")
         console.print(f"before training: mean reward {before['mean_reward']:.3f}, exact {before['exact']:.1%}")
         train_started = time.monotonic()
-        episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl")
+        episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl", shlex.split(args.agent_args))
         train_minutes = (time.monotonic() - train_started) / 60
         after = _evaluate(url, args.eval_size, args.out / "eval_after.json")
         versions = max(after["versions"])
@@ -240,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "summary.json").write_text(json.dumps({
             "seed": args.seed, "minutes": args.minutes, "eval_size": args.eval_size, "before": before,
             "after": after, "versions": versions, "train_minutes": train_minutes, "total_minutes": total,
-            "episodes": len(episodes), "versions_per_minute": versions / train_minutes}, indent=1))
+            "episodes": len(episodes), "versions_per_minute": versions / train_minutes,
+            "agent_args": args.agent_args, **_use_of_episodes(url, episodes)}, indent=1))
     finally:
         gateway.terminate()
         try:

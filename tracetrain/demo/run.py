@@ -144,7 +144,8 @@ def _train(url: str, minutes: float, seed: int, log_path: Path, agent_args: list
 
 def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """How much of what the agents generated the trainer learned from: episodes rewarded, sessions
-    trained on, and sessions set aside by reason, summed over every version's step figures."""
+    trained on, and sessions set aside by reason, summed over every version's step figures; and where a
+    step's time went, each part's mean over the versions."""
     listing = httpx.get(f"{url}/v1/policies", timeout=30).json()
     policies = listing["data"]
     set_aside: dict[str, int] = {}
@@ -152,9 +153,14 @@ def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]
         for reason, n in policy.get("metrics", {}).get("set_aside", {}).items():
             set_aside[reason] = set_aside.get(reason, 0) + n
     trained = sum(p.get("metrics", {}).get("sessions", 0) for p in policies)
+    parts: dict[str, list[float]] = {}
+    for policy in policies:
+        for part, seconds in policy.get("metrics", {}).get("time_s", {}).items():
+            parts.setdefault(part, []).append(seconds)
     return {"rewarded_episodes": sum(1 for e in episodes if e.get("posted", True)), "trained_sessions": trained,
             "set_aside": set_aside, "trained_share": trained / len(episodes) if episodes else 0.0,
-            "left_in_store": listing["sessions"]}
+            "left_in_store": listing["sessions"],
+            "step_time_s": {part: sum(values) / len(values) for part, values in parts.items()}}
 
 
 def _plot(episodes: list[dict[str, float]], before: dict[str, Any], after: dict[str, Any], path: Path) -> None:

@@ -1,0 +1,196 @@
+"""Learning from traffic as production agents send it (issue 31): the same task, settings, episode
+budget and held-out evaluation, with the traffic shaped differently in each arm.
+
+    python -m bench.learning_arms                                   # every arm, seeds 0 1 2
+    python -m bench.learning_arms --arms grouped singletons --seeds 0 --episodes 64 \\
+        --results-dir /tmp/learning_arms                            # smoke
+
+Each (seed, arm) runs `tracetrain demo --seed N` exactly as a user runs it (its own vLLM, gateway,
+trainer and agent processes, the demo's trainer settings), with the arm's agent flags (see
+`tracetrain.demo.arithmetic`) and trainer settings, until the agent has sent `--episodes` episodes. The
+demo's greedy held-out evaluation on the fixed test sums, before and after, is the figure; the
+untrained model is every run's "before". For seed k the order of the arms is rotated by k, so no arm
+always runs first on a cold machine.
+
+Arms (each changes one thing from `grouped`, today's demo traffic):
+- `grouped`: 8 attempts per problem in one group, every reward at once;
+- `singletons`: one attempt per problem, no group named (the gateway groups repeats of a prompt);
+- `late`: rewards 30-300 s after their episode, out of order;
+- `sparse`: only 25% of episodes ever rewarded;
+- `noisy`: 20% of rewards flipped;
+- `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
+  trains those all-equal groups against the running baseline (`train.flat_groups=baseline`) instead of
+  setting them aside, and `hard+singletons` sends it one attempt at a time.
+
+Per arm: held-out before and after (mean and min-max over seeds), episodes generated and rewarded,
+the share of generated episodes the trainer trained on, and what it set aside by reason. Results:
+`bench/results/learning_arms.{md,json,png}`. The held-out metric (mean reward on 64 test sums, greedy)
+is fixed before any run; no setting here was chosen on the test split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    OUT_DIR,
+    ResultTable,
+    RunStart,
+    add_results_dir_argument,
+    command_line,
+    console,
+    run_started,
+    write_results,
+)
+
+NAME = "learning_arms"
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    agent: tuple[str, ...] = ()
+    """Flags for the demo agent on top of the episode budget."""
+    train: tuple[str, ...] = ()
+    """`--set` values for the trainer."""
+
+
+ARMS = {
+    "grouped": Arm("8 attempts per problem, rewards at once (the demo)"),
+    "singletons": Arm("one attempt per problem, no group named", ("--group-size", "1", "--no-group")),
+    "late": Arm("rewards 30-300 s late, out of order", ("--reward-delay", "30", "300")),
+    "sparse": Arm("25% of episodes rewarded", ("--reward-share", "0.25")),
+    "noisy": Arm("20% of rewards flipped", ("--reward-flip", "0.2")),
+    "hard": Arm("exact answers only", ("--reward", "exact")),
+    "hard+baseline": Arm("exact answers only, all-equal groups against the running baseline",
+                         ("--reward", "exact"), ("train.flat_groups=baseline",)),
+    "hard+singletons": Arm("exact answers only, one attempt per problem",
+                           ("--reward", "exact", "--group-size", "1", "--no-group")),
+}
+
+
+def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, out: Path) -> dict[str, Any]:
+    spec = ARMS[arm]
+    shutil.rmtree(out, ignore_errors=True)
+    agent = " ".join(("--episodes", str(episodes), *spec.agent))
+    command = [sys.executable, "-m", "tracetrain.cli", "demo", "--seed", str(seed), "--minutes", str(minutes),
+               "--eval-size", str(eval_size), "--out", str(out), "--agent-args", agent,
+               *(f"--set={s}" for s in spec.train)]
+    console.log(f"[{arm} seed {seed}] {' '.join(command[3:])}")
+    began = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.log").open("wb") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60}
+    console.log(f"[{arm} seed {seed}] held-out {summary['before']['mean_reward']:.3f} -> "
+                f"{summary['after']['mean_reward']:.3f}; {summary['episodes']} episodes, trained on "
+                f"{summary['trained_share']:.0%}; set aside {summary['set_aside']}; "
+                f"{summary['wall_minutes']:.1f} min")
+    return summary
+
+
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.fmean(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunStart) -> Path:
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    table = ResultTable(f"held-out mean reward ({args.eval_size} test sums, greedy): mean (min–max) over seeds "
+                        f"{', '.join(map(str, args.seeds))}",
+                        ["arm", "traffic", "before (untrained)", "after", "gain", "episodes", "rewarded",
+                         "trained on", "set aside (by reason, mean per run)", "versions"])
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        reasons = sorted({k for r in mine for k in r["set_aside"]})
+        aside = ", ".join(f"{k} {statistics.fmean(r['set_aside'].get(k, 0) for r in mine):.0f}" for k in reasons)
+        table.add(arm, ARMS[arm].label, _spread([r["before"]["mean_reward"] for r in mine]),
+                  _spread([r["after"]["mean_reward"] for r in mine]),
+                  _spread([r["after"]["mean_reward"] - r["before"]["mean_reward"] for r in mine], "{:+.3f}"),
+                  _spread([float(r["episodes"]) for r in mine], "{:.0f}"),
+                  _spread([float(r["rewarded_episodes"]) for r in mine], "{:.0f}"),
+                  _spread([100 * r["trained_share"] for r in mine], "{:.0f}%"), aside or "none",
+                  _spread([float(r["versions"]) for r in mine], "{:.0f}"))
+    per_run = ResultTable("every run, in the order run", ["seed", "arm", "before", "after", "exact after",
+                                                          "episodes", "trained on", "versions", "minutes"])
+    for r in runs:
+        per_run.add(r["seed"], r["arm"], f"{r['before']['mean_reward']:.3f}", f"{r['after']['mean_reward']:.3f}",
+                    f"{r['after']['exact']:.1%}", r["episodes"], f"{r['trained_share']:.0%}", r["versions"],
+                    f"{r['wall_minutes']:.1f}")
+    parts = list(dict.fromkeys(k for r in runs for k in r.get("step_time_s", {})))
+    times = ResultTable("where a step's time went: seconds per version, mean over the arm's runs",
+                        ["arm", *parts])
+    for arm in arms:
+        mine = [r.get("step_time_s", {}) for r in runs if r["arm"] == arm]
+        times.add(arm, *(f"{statistics.fmean(m.get(p, 0.0) for m in mine):.2f}" for p in parts))
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    plot = args.results_dir / f"{NAME}.png"
+    _plot(runs, arms, plot)
+    notes = [f"each run: `tracetrain demo --seed N --eval-size {args.eval_size} --agent-args '--episodes "
+             f"{args.episodes} …'` with the demo's trainer settings (tracetrain/demo/run.py DEMO_TRAINING) and the "
+             f"arm's flags (ARMS in bench/learning_arms.py); a run stops at {args.episodes} episodes or "
+             f"{args.minutes:g} minutes, whichever comes first",
+             "trained on: sessions the trainer's steps used, over episodes the agent generated; an unrewarded "
+             "session is never trained on, and one set aside stays in the store unconsumed",
+             "the agent logs the true reward of every episode; the trainer sees only what was posted (flipped, "
+             "late or not at all)",
+             f"plot: `{plot.name}`"]
+    return write_results(NAME, "Learning from production-shaped traffic", command_line("bench.learning_arms"),
+                         [table, times, per_run], notes, raw={"runs": runs}, started=started,
+                         results_dir=args.results_dir)
+
+
+def _plot(runs: list[dict[str, Any]], arms: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(arms)), 4.5))
+    for i, arm in enumerate(arms):
+        gains = [r["after"]["mean_reward"] - r["before"]["mean_reward"] for r in runs if r["arm"] == arm]
+        ax.bar(i, statistics.fmean(gains), color="tab:blue", alpha=0.5)
+        ax.scatter([i] * len(gains), gains, color="black", s=12, zorder=3)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(arms)), arms, rotation=20)
+    ax.set_ylabel("held-out reward gain (after − before)")
+    ax.set_title("learning per traffic shape (bar: mean over seeds; dots: seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.learning_arms", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--episodes", type=int, default=512, help="episode budget of every run")
+    parser.add_argument("--minutes", type=float, default=20.0, help="a run's cap, should the budget take longer")
+    parser.add_argument("--eval-size", type=int, default=64)
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    started = run_started()
+    runs: list[dict[str, Any]] = []
+    order = list(args.arms)
+    total = len(order) * len(args.seeds)
+    for k, seed in enumerate(args.seeds):
+        rotated = order[k % len(order):] + order[: k % len(order)]
+        for arm in rotated:
+            console.log(f"run {len(runs) + 1} of {total}")
+            runs.append(run_arm(arm, seed, args.episodes, args.minutes, args.eval_size,
+                                OUT_DIR / NAME / f"{arm}-seed{seed}"))
+    console.print(f"results: {report(args, runs, started)}")
+
+
+if __name__ == "__main__":
+    main()

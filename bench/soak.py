@@ -47,6 +47,7 @@ from bench.common import (
 )
 from bench.gateway_overhead.apis import APIS
 from bench.gateway_overhead.client import Connection, HTTPFailure
+from tracetrain.config import PromotionConfig
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a calculator. Reply with the number only."
@@ -274,15 +275,23 @@ def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Nam
     refused = sum(e["status"] != 200 for e in soak.publishes)
     broken = [r for r in policies["data"] if published.get(r["version"], {}).get("broken")]
     sound = [r for r in policies["data"] if r["version"] in published and not published[r["version"]]["broken"]]
+    reasons = [(r.get("decision") or {}).get("reason", "") for r in broken + sound if r["promotion"] != "canary"]
+    by_cap = sum(reason.startswith("undecided at") for reason in reasons)
+    by_interval = len(reasons) - by_cap
     rss = [s["rss_mb"] for s in soak.samples]
     fds = [s["fds"] for s in soak.samples]
     notes = [
         f"{args.minutes:g} minutes, {args.agents} agents, canary share {args.share}, min {args.min_sessions} / max "
         f"{args.max_sessions} rewarded sessions per arm, margin {args.margin}; SQLite store; vLLM CPU, SmolLM2-135M.",
+        ("Promotion settings: the defaults a user gets (PromotionConfig), none overridden." if not
+         args.promotion_overrides else "Promotion settings NOT the defaults: " + ", ".join(
+             f"promotion.{k}={v}" for k, v in args.promotion_overrides.items()) + "."),
         f"Lost calls: {len(lost)} of {len(soak.answered)} answered (pass line: 0).",
         f"Broken versions rolled back: {sum(r['promotion'] == 'rolled_back' for r in broken)} of {len(broken)}; "
         f"sound versions promoted: {sum(r['promotion'] == 'promoted' for r in sound)} of {len(sound)} "
         f"(still on trial at the end: {sum(r['promotion'] == 'canary' for r in broken + sound)}).",
+        f"Decided by the sequential test's interval: {by_interval}; by the cap's mean rule (undecided at "
+        f"{args.max_sessions} canary sessions): {by_cap}.",
         f"Publishes refused because a canary was still on trial: {refused} (retried the next minute).",
         f"Gateway RSS first / last / max: {rss[0]:.0f} / {rss[-1]:.0f} / {max(rss):.0f} MB; open fds first / last / "
         f"max: {fds[0]:.0f} / {fds[-1]:.0f} / {max(fds):.0f}." if rss else "no samples",
@@ -309,14 +318,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--publish-every-s", type=float, default=60.0)
     parser.add_argument("--broken-every", type=int, default=3)
-    parser.add_argument("--share", type=float, default=0.5)
-    parser.add_argument("--min-sessions", type=int, default=20)
-    parser.add_argument("--max-sessions", type=int, default=60)
-    parser.add_argument("--margin", type=float, default=0.1)
+    # None: the gateway's own default (PromotionConfig), which is what a user gets and what the soak reports
+    parser.add_argument("--share", type=float, default=None, help="promotion.canary_share (default: the config's)")
+    parser.add_argument("--min-sessions", type=int, default=None, help="promotion.min_sessions (default: the config's)")
+    parser.add_argument("--max-sessions", type=int, default=None, help="promotion.max_sessions (default: the config's)")
+    parser.add_argument("--margin", type=float, default=None, help="promotion.margin (default: the config's)")
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--window-s", type=float, default=180.0)
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
+    defaults = PromotionConfig()
+    overridden = {name: value for name, value in (("canary_share", args.share), ("min_sessions", args.min_sessions),
+                                                  ("max_sessions", args.max_sessions), ("margin", args.margin))
+                  if value is not None}
+    args.share = overridden.get("canary_share", defaults.canary_share)
+    args.min_sessions = overridden.get("min_sessions", defaults.min_sessions)
+    args.max_sessions = overridden.get("max_sessions", defaults.max_sessions)
+    args.margin = overridden.get("margin", defaults.margin)
+    args.promotion_overrides = overridden
     command = command_line("bench.soak", argv)
     started = run_started()
 
@@ -330,10 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     db_url = f"sqlite:///{db}"
     cmd = python_cmd("-m", "tracetrain.cli", "serve", "--engine", "vllm", "--served-model-name", MODEL,
                      "--port", str(port), "--db-url", db_url, "--set", "promotion.mode=canary",
-                     "--set", "train.publish=lora", "--set", f"promotion.canary_share={args.share}",
-                     "--set", f"promotion.min_sessions={args.min_sessions}",
-                     "--set", f"promotion.max_sessions={args.max_sessions}", "--set", f"promotion.margin={args.margin}",
-                     "--set", "gateway.log_level=WARNING")
+                     "--set", "train.publish=lora", "--set", "gateway.log_level=WARNING",
+                     *(arg for name, value in overridden.items() for arg in ("--set", f"promotion.{name}={value}")))
     server = ServerProcess("soak-gateway", cmd, f"http://127.0.0.1:{port}").start(timeout=900)
     soak = Soak()
     stop_sampling = threading.Event()

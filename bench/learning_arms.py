@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from bench.common import (
     OUT_DIR,
     ResultTable,
@@ -85,14 +87,15 @@ def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, 
     command = [sys.executable, "-m", "tracetrain.cli", "demo", "--seed", str(seed), "--minutes", str(minutes),
                "--eval-size", str(eval_size), "--out", str(out), "--agent-args", agent,
                *(f"--set={s}" for s in spec.train)]
-    console.log(f"[{arm} seed {seed}] {' '.join(command[3:])}")
+    tag = escape(f"[{arm} seed {seed}]")  # rich would read the brackets as markup
+    console.log(f"{tag} {' '.join(command[3:])}")
     began = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60}
-    console.log(f"[{arm} seed {seed}] held-out {summary['before']['mean_reward']:.3f} -> "
+    console.log(f"{tag} held-out {summary['before']['mean_reward']:.3f} -> "
                 f"{summary['after']['mean_reward']:.3f}; {summary['episodes']} episodes, trained on "
                 f"{summary['trained_share']:.0%}; set aside {summary['set_aside']}; "
                 f"{summary['wall_minutes']:.1f} min")
@@ -111,7 +114,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
                          "trained on", "set aside (by reason, mean per run)", "versions"])
     for arm in arms:
         mine = [r for r in runs if r["arm"] == arm]
-        reasons = sorted({k for r in mine for k in r["set_aside"]})
+        reasons = sorted({k for r in mine for k, n in r["set_aside"].items() if n})
         aside = ", ".join(f"{k} {statistics.fmean(r['set_aside'].get(k, 0) for r in mine):.0f}" for k in reasons)
         table.add(arm, ARMS[arm].label, _spread([r["before"]["mean_reward"] for r in mine]),
                   _spread([r["after"]["mean_reward"] for r in mine]),

@@ -49,19 +49,22 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
             }
 
 
-def iter_rows(db: Engine) -> Iterator[dict[str, Any]]:
+def iter_rows(db: Engine, *, policy: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every exportable segment; only one named policy's sessions with `policy`."""
     with Session(db) as s:
-        for session_id in queries.all_session_ids(s):
+        for session_id in queries.all_session_ids(s, policy=policy):
             yield from session_rows(s, session_id)
 
 
-def record_export(db: Session, *, actor: str | None, fmt: str) -> AuditEntry:
+def record_export(db: Session, *, actor: str | None, fmt: str, policy: str | None = None) -> AuditEntry:
     """The audit entry of an export about to run: who, and how many sessions it may hold (a writer op)."""
     exportable = select(func.count()).select_from(AgentSession).where(
         col(AgentSession.purged).is_(None),
         or_(col(AgentSession.skip_reason).is_(None), col(AgentSession.skip_reason).not_in(NO_TRAIN_REASONS)))
-    return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()),
-                        detail={"format": fmt})
+    if policy is not None:
+        exportable = exportable.where(col(AgentSession.policy) == policy)
+    detail: dict[str, Any] = {"format": fmt} if policy is None else {"format": fmt, "policy": policy}
+    return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()), detail=detail)
 
 
 def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:

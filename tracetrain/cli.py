@@ -67,7 +67,7 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
                           dtype=settings.dtype,
                           extra_args=[*gpu_args(settings), *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
-                          max_lora_rank=config.train.lora_rank,
+                          max_lora_rank=config.train.lora_rank, max_loras=settings.max_loras,
                           env=replica_placement(i, settings.replicas, gpus[i] if gpus else None))
                for i in range(settings.replicas)]
     for server in servers:

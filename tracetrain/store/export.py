@@ -67,18 +67,18 @@ def record_export(db: Session, *, actor: str | None, fmt: str, policy: str | Non
     return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()), detail=detail)
 
 
-def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:
-    """Write every trajectory segment to `out`, recorded in the audit log as `actor`'s; returns the number
-    of rows."""
+def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli", policy: str | None = None) -> int:
+    """Write every trajectory segment to `out` (only one named policy's with `policy`), recorded in the audit
+    log as `actor`'s; returns the number of rows."""
     if fmt not in ("jsonl", "parquet"):
         raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")
     with Session(db) as s:
-        record_export(s, actor=actor, fmt=fmt)
+        record_export(s, actor=actor, fmt=fmt, policy=policy)
         s.commit()
     rows = 0
     if fmt == "jsonl":
         with out.open("wb") as fh:
-            for row in iter_rows(db):
+            for row in iter_rows(db, policy=policy):
                 fh.write(orjson.dumps(row) + b"\n")
                 rows += 1
         return rows
@@ -87,7 +87,7 @@ def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int
         import pyarrow.parquet as pq
 
         table_rows = [{**row, "prompt": orjson.dumps(row["prompt"]).decode(),
-                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(db)]
+                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(db, policy=policy)]
         pq.write_table(pa.Table.from_pylist(table_rows), out)
         return len(table_rows)
     raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")

@@ -238,9 +238,13 @@ def test_creating_a_policy_over_the_api(gw: RunningGateway) -> None:
     body = {"name": "data", "settings": {"lr": 5e-5, "advantage": "grpo", "retention_days": 30}}
     _refused(_send(gw, "unbound", "POST", "/v1/policies", body), 403, "admin_required")
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "training": "full"}), 400, "full_weight_policy")
-    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"device": "cuda"}}), 400,
-             "invalid_policy_settings")
-    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"lr": "fast"}}), 400,
+    refused = _send(gw, "admin", "POST", "/v1/policies", {**body, "training": "full"}).json()["error"]["message"]
+    assert "full-weight training would change the base model under every other policy" in refused
+    # The document types every setting a policy may set; one it may not, or a wrong type, is refused by it.
+    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"device": "cuda"}}), 400, "invalid_value")
+    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"lr": "fast"}}), 400, "invalid_value")
+    # Settings are checked together, on top of the config's trainer (batch_sessions 32).
+    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"min_sessions": 64}}), 400,
              "invalid_policy_settings")
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "name": "Data Team"}), 400, "invalid_value")
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "name": MODEL}), 409, "policy_exists")

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from tracetrain.config import POLICY_NAME_PATTERN, POLICY_NAME_RULE
+from tracetrain.config import DEFAULT_POLICY, POLICY_NAME_PATTERN, POLICY_NAME_RULE
 from tracetrain.proxy.binding import ID_CHARACTERS, ID_RULE, MAX_ID_LEN
 from tracetrain.proxy.errors import MESSAGES_PATHS
 
@@ -88,7 +88,7 @@ def generation_responses(described: dict[int, str] | None = None) -> dict[int | 
 
 def _policy_parameter() -> dict[str, Any]:
     """`/p/{policy}`: a named policy (config.POLICY_NAME_PATTERN; an unknown one is 404 `policy_not_found`)."""
-    return {"name": "policy", "in": "path", "required": True,
+    return {"name": "policy", "in": "path", "required": True, "example": DEFAULT_POLICY,
             "description": f"A named policy: {POLICY_NAME_RULE}. Confines the call to it (docs/api.md, Policies)",
             "schema": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": POLICY_NAME_PATTERN}}
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional, cast
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model, field_validator
 from sqlmodel import Session
 
-from tracetrain.config import POLICY_NAME_PATTERN
+from tracetrain.config import POLICY_NAME_PATTERN, POLICY_TRAIN_SETTINGS, TrainConfig
 from tracetrain.engines.base import EngineError
 from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
-from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.errors import APIError, refusal
 from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.policy_lines import PolicyQuery, scoped_policy
@@ -38,14 +38,42 @@ class PublishRequest(RequestModel):
     kind: Literal["full", "lora"]
 
 
+class _SettingsModel(RequestModel):
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt setting must not be dropped silently
+
+
+def _optional(name: str) -> tuple[Any, None]:
+    """A `train.*` setting as a policy may set it: its config type, or left out."""
+    field = TrainConfig.model_fields[name]
+    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation  # its bounds
+    return Optional[kind], None  # noqa: UP045 (a runtime type expression)
+
+
+_SETTINGS: dict[str, Any] = {name: _optional(name) for name in sorted(POLICY_TRAIN_SETTINGS)}
+_SETTINGS["retention_days"] = (Annotated[int, Field(ge=1), INTEGRAL] | None, None)
+PolicySettings = create_model(
+    "PolicySettings", __base__=_SettingsModel, __doc__="A policy's own `train.*` settings and its retention; what is "
+    "left out follows the config. Checked together on top of the config's trainer settings (400 "
+    "`invalid_policy_settings`: `min_sessions` above `batch_sessions`, …).", **_SETTINGS)
+"""The settings `POST /v1/policies` takes, typed as the config types them (config.POLICY_TRAIN_SETTINGS)."""
+
+
 class CreatePolicyRequest(RequestModel):
     """A new named policy (docs/api.md, "Policies"): a line of LoRA versions on the shared base model."""
 
     name: str = Field(min_length=1, max_length=64, pattern=POLICY_NAME_PATTERN)
-    training: str = "lora"
+    training: Literal["lora"] = "lora"
     """`lora`, the only kind a policy may train; anything else is 400 `full_weight_policy`."""
-    settings: dict[str, Any] = Field(default_factory=dict)
+    settings: PolicySettings = Field(default_factory=PolicySettings)  # type: ignore[valid-type]
     """Its own `train.*` settings (`lr`, `advantage`, …) and `retention_days`; the rest follow the config."""
+
+    @field_validator("training", mode="before")
+    @classmethod
+    def _lora_only(cls, value: Any) -> Any:
+        if value != "lora":
+            raise refusal("full_weight_policy", f"A policy trains LoRA adapters only, not {value!r}: full-weight "
+                          "training would change the base model under every other policy. Use training: lora.")
+        return value
 
 
 def _body_kind(value: Any) -> str:
@@ -65,7 +93,7 @@ def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
     return (path / ADAPTER_CONFIG).is_file() if kind == "lora" else any(path.glob("*.safetensors"))
 
 
-@router.get("/v1/policies", responses=error_responses(404))
+@router.get("/v1/policies", responses=error_responses(404, described={404: "No such policy"}))
 async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> dict[str, Any]:
     """The named policies (`policies`, only `policy`'s when asked) and the published versions (`data`). Versions
     are the default policy's line until the trainer trains named ones: asked for another policy, `data` and
@@ -100,7 +128,10 @@ async def post_policy(gw: GatewayDep, body: PolicyPost, _: AdminDep) -> dict[str
     """`{"name": …}` creates a named policy (201 in spirit, 200 as every route here answers); `{"version",
     "checkpoint", "kind"}` publishes a checkpoint, as a trainer in another process does."""
     if isinstance(body, CreatePolicyRequest):
-        line = await gw.policies.create(body.name, body.training, body.settings)
+        given = cast(BaseModel, body.settings).model_dump(exclude_unset=True)
+        # null leaves a train setting to the config; for retention_days it means forever.
+        settings = {k: v for k, v in given.items() if v is not None or k == "retention_days"}
+        line = await gw.policies.create(body.name, body.training, settings)
         return {"created": True, **PolicyLinePublic.model_validate(line).model_dump(mode="json")}
     return await publish(gw, body)
 

@@ -25,7 +25,8 @@ from tracetrain.store.trajectory import session_trajectories
 router = APIRouter()
 
 
-@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(401))
+@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(
+    401, 403, 404, described={403: "A policy the API key is not bound to", 404: "No such policy"}))
 async def list_sessions(
     gw: GatewayDep, caller: CallerDep,
     limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62),
@@ -117,7 +118,8 @@ class NDJSONStream(StreamingResponse):
     media_type = "application/x-ndjson"
 
 
-@router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(401, 403, 404))
+@router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(
+    401, 403, 404, described={404: "No such policy"}))
 async def export_jsonl(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> NDJSONStream:
     """Every trajectory segment, one JSON object per line (only one named policy's with `policy`); sessions not
     for training or purged are left out. Recorded in the audit log (`GET /v1/audit`) before the first line."""

@@ -4,17 +4,23 @@ on every route (the matrix below), and a refused request records nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from sqlmodel import Session
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
+from tracetrain.engines.base import Affinity, SamplingParams, TokenDelta
 from tracetrain.engines.transformers_engine import TransformersEngine
+from tracetrain.store import queries
 from tracetrain.store.export import export
 
 MODEL = "tiny"
@@ -268,3 +274,48 @@ def test_creating_a_policy_over_the_api(gw: RunningGateway) -> None:
         "default": "builtin", "support": "config", "coding": "config", "data": "api"}
     assert everything["data"][0]["version"] == 0, "the versions are listed as before"
     _refused(_send(gw, "admin", "GET", "/v1/policies?policy=nowhere"), 404, "policy_not_found")
+
+
+class GatedEngine(RecordingEngine):
+    """The real engine, holding each generation until the test opens the gate: a request stays between its
+    session lookup and its record while the test acts as another gateway process would."""
+
+    def __init__(self, inner: TransformersEngine) -> None:
+        super().__init__(inner)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
+        self.entered.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        async for delta in super().generate(prompt_ids, params, affinity):
+            yield delta
+
+
+def test_a_first_call_racing_another_policys_first_call_records_nothing(
+        tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Two first calls of one session, in two policies: the one recorded second finds the session taken by the
+    other policy, and is 403 `policy_forbidden` with none of its calls in it."""
+    engine = GatedEngine(tiny_engine)
+    running = start_gateway(engine, tiny_model_path, f"sqlite:///{tmp_path / 'race.db'}",
+                            gateway={"policies": [{"name": "support"}, {"name": "coding"}]})
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{running.url}/p/support/s/race/v1/chat/completions", json=CHAT,
+                                  timeout=60)
+            assert engine.entered.wait(30), "the call reached the engine"
+            # Meanwhile another gateway process records the session's first call, in policy coding.
+            with Session(running.gateway.db) as db:
+                assert queries.add_session_if_absent(db, row=queries.session_row(
+                    id="race", group_id="g", owner=None, policy_version=0, model=MODEL, calls=0, tokens=0,
+                    policy="coding"))
+                db.commit()
+            engine.gate.set()
+            _refused(pending.result(), 403, "policy_forbidden")
+        with Session(running.gateway.db) as db:
+            stored = queries.get_session(db, session_id="race")
+            assert stored is not None and stored.policy == "coding"
+            assert queries.session_calls(db, session_id="race") == []
+    finally:
+        running.stop()

@@ -332,6 +332,12 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
                                  new_completion_id=spec.completion_id)
         seq = queries.record_calls(db, session_id=turn.session_id, new_session=new_row, rows=rows,
                                    check_rollback=check_rollback, redactions=kept.counts)
+        if new_row is not None:
+            # Two first calls of one session may race (in two gateway processes, say): the second's insert does
+            # nothing, and its calls must not land in a session of another policy. Raising rolls them back.
+            stored = queries.session_owner_group(db.connection(), session_id=turn.session_id)
+            if stored is not None and stored[3] != turn.policy:
+                raise forbidden_policy(turn.session_id, stored[3], turn.policy)
         if no_train is not None:
             corrections.mark_no_train(db, session_id=turn.session_id, reason=no_train, actor=turn.owner)
         return seq

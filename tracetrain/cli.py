@@ -67,7 +67,7 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
                           dtype=settings.dtype,
                           extra_args=[*gpu_args(settings), *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
-                          max_lora_rank=config.train.lora_rank,
+                          max_lora_rank=config.train.lora_rank, max_loras=settings.max_loras,
                           env=replica_placement(i, settings.replicas, gpus[i] if gpus else None))
                for i in range(settings.replicas)]
     for server in servers:
@@ -349,7 +349,7 @@ def export_cmd(args: argparse.Namespace, config: Config) -> None:
     from tracetrain.store.db import open_db
     from tracetrain.store.export import export
 
-    rows = export(open_db(config.store.url), Path(args.out), args.format)
+    rows = export(open_db(config.store.url), Path(args.out), args.format, policy=args.policy)
     print(f"wrote {rows} trajectory segments to {args.out}")
 
 
@@ -423,6 +423,7 @@ def _parser() -> argparse.ArgumentParser:
     export_p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl",
                           help="JSON lines, or Parquet (needs the export extra).")
     export_p.add_argument("--out", required=True, help="File to write the trajectory segments to.")
+    export_p.add_argument("--policy", default=None, help="Export only this named policy's sessions.")
     return parser
 
 

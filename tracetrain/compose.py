@@ -23,6 +23,7 @@ from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.gateway import Gateway, Load, Service, read_in_thread
 from tracetrain.proxy.holds import GenerationHolds
 from tracetrain.proxy.metrics import GatewayMetrics
+from tracetrain.proxy.policy_lines import PolicyLines
 from tracetrain.proxy.promotion import Promotion
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.redact import Redactors
@@ -59,7 +60,8 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         writer=writer, sessions=SessionDirectory(db, inline_reads=db.dialect.name == "sqlite"),
         publishing=publishing, admission=Admission(config, db, metrics), holds=holds,
         keys=KeyRing(config.gateway.agent_keys(), config.gateway.admin_key,
-                     untrained=config.gateway.untrained_keys()),
+                     untrained=config.gateway.untrained_keys(), policies=config.gateway.policy_by_key()),
+        policies=PolicyLines(db, config),
         metrics=metrics, redactors=redactors(config.gateway), load=load, retention=retention_rules(config),
         engine_sleep=engine_sleep,
         services=[make(publishing.publish, holds.hold_for_training) for make in services])

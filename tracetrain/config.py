@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -189,6 +189,60 @@ class TrainConfig(BaseModel):
         return self
 
 
+POLICY_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+"""A policy's name: what `/p/{policy}/v1/…` and `model: <name>` carry, and the name of its adapters."""
+POLICY_NAME_RE = re.compile(POLICY_NAME_PATTERN)
+POLICY_NAME_RULE = "1 to 64 characters: lowercase letters, digits, '.', '_' and '-', starting with a letter or digit"
+DEFAULT_POLICY = "default"
+"""The policy every unbound session belongs to (store/models.py has the same name for the store's rows)."""
+POLICY_TRAIN_SETTINGS = frozenset({
+    "algorithm", "advantage", "policy_loss", "loss_agg_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
+    "ppo_epochs", "kl_coef", "kl_type", "entropy_coef", "tis_cap", "max_staleness", "batch_sessions",
+    "min_sessions", "lr", "weight_decay", "grad_clip", "lora_alpha", "gamma", "baseline_momentum", "sft_min_reward",
+    "dpo_beta", "seed"})
+"""`train.*` settings a policy may set for itself: how its line learns. Where and on what the trainer runs
+(devices, backend, workers, mode, checkpoints, publishing) is one trainer's, shared by every policy."""
+
+
+def policy_problem(name: str, training: str, settings: dict[str, Any], train: TrainConfig | None = None) -> str | None:
+    """Why a policy cannot be created as asked, in a sentence; None when it can. The same check for the
+    config file's `gateway.policies` and for `POST /v1/policies`: the name, LoRA only, and each setting
+    valid on top of `train` (the config's trainer settings)."""
+    if not POLICY_NAME_RE.fullmatch(name):
+        return f"Policy name {name!r} is not valid: {POLICY_NAME_RULE}."
+    if training != "lora":
+        return (f"Policy {name!r} asks for {training!r} training; every policy is a line of LoRA adapters on the "
+                "shared base model, and full-weight training would change the base model under every other "
+                "policy. Use training: lora.")
+    unknown = sorted(set(settings) - POLICY_TRAIN_SETTINGS - {"retention_days"})
+    if unknown:
+        return (f"Policy {name!r} sets {', '.join(unknown)}, which a policy cannot set for itself; it may set "
+                f"retention_days and {', '.join(sorted(POLICY_TRAIN_SETTINGS))}.")
+    retention = settings.get("retention_days")
+    if retention is not None and (not isinstance(retention, int) or isinstance(retention, bool) or retention < 1):
+        return f"Policy {name!r}: retention_days must be a whole number of days, 1 or more, or null (forever)."
+    overrides = {k: v for k, v in settings.items() if k != "retention_days"}
+    try:
+        TrainConfig.model_validate({**(train or TrainConfig()).model_dump(), **overrides})
+    except ValidationError as exc:
+        what = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'train'}: {e['msg']}" for e in exc.errors())
+        return f"Policy {name!r} has train settings that are not valid: {what}."
+    return None
+
+
+class PolicySpec(BaseModel):
+    """A named policy declared in the config file: a line of LoRA versions on the shared base model
+    (docs/architecture.md, decision 13)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    """What binds an agent to it: a key's `policy`, the path `/p/{name}/v1/…`, or `model: {name}`."""
+    training: str = "lora"
+    """`lora`, the only kind a policy may train: a full-weight policy would move every other policy's base."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Its own `train.*` settings (`lr`, `advantage`, …) and `retention_days`; the rest follow the config."""
+
+
 class ApiKey(BaseModel):
     """An agent key with its settings, where a plain string is the key with the defaults."""
 
@@ -205,6 +259,10 @@ class ApiKey(BaseModel):
     redaction: Literal["off", "detect", "redact"] | None = None
     """This key's redaction mode in place of `gateway.redaction` (a key whose users' data must be
     kept as sent, or one that must never be). None: `gateway.redaction`. (Per policy once named policies exist.)"""
+    policy: str | None = None
+    """The named policy (`gateway.policies`) every call with this key belongs to; the key cannot reach
+    another policy's sessions or send it traffic (403). None: the call's path or model name decides, else
+    the default policy."""
 
 
 class EngineConfig(BaseModel):
@@ -278,6 +336,10 @@ class EngineConfig(BaseModel):
     2e-3, float16 2e-2, bfloat16 5e-2)."""
     timeout_s: float = 300.0
     """Longest wait for the engine on one request before answering 504."""
+    max_loras: int = Field(default=3, ge=1)
+    """LoRA adapters one vLLM batch may mix (vLLM's `--max-loras`, for the servers started here; give servers
+    in `engine.urls` the same). Each named policy serves its own adapter beside the default policy's, so
+    `gateway.policies` may declare at most `max_loras - 1` of them, and `POST /v1/policies` refuses more."""
     json_max_whitespace: int | None = Field(default=64, ge=1)
     """vLLM: at most this many consecutive whitespace characters in constrained JSON (forced tool
     calls, `response_format`), per request through an xgrammar structural tag. Enough for a model that
@@ -386,7 +448,13 @@ class GatewayConfig(BaseModel):
     api_keys: list[str | ApiKey] = Field(default_factory=list)
     """Agent keys: each may create sessions and read or reward its own. An entry is the key, or
     `{key: …, train: false}` for a key whose sessions are never trained on (users who did not consent),
-    and `retention_days: N` for a key whose sessions keep their content N days (null: forever)."""
+    `retention_days: N` for a key whose sessions keep their content N days (null: forever), and `policy: NAME`
+    for a key bound to one of `gateway.policies` (it reaches that policy's sessions only)."""
+    policies: list[PolicySpec] = Field(default_factory=list)
+    """Named policies, each a line of LoRA versions on the shared base model with its own sessions and
+    training settings: `[{name: support, settings: {lr: 1e-5}}]`. Checked as the config loads (names,
+    LoRA only, their settings, `engine.max_loras`) and added to the store's registry when the gateway
+    starts; `POST /v1/policies` adds more. The `default` policy always exists."""
     admin_key: str | None = None
     """Key for listing, export and weight endpoints (and every session)."""
     metrics_key: Literal["none", "any", "admin"] = "none"
@@ -467,6 +535,10 @@ class GatewayConfig(BaseModel):
     def redaction_by_key(self) -> dict[str, Literal["off", "detect", "redact"]]:
         """Keys whose redaction mode is their own, with it."""
         return {k.key: k.redaction for k in self.api_keys if isinstance(k, ApiKey) and k.redaction is not None}
+
+    def policy_by_key(self) -> dict[str, str]:
+        """Keys bound to a named policy, with its name."""
+        return {k.key: k.policy for k in self.api_keys if isinstance(k, ApiKey) and k.policy is not None}
 
     def untrained_keys(self) -> list[str]:
         """Keys whose sessions are never trained on."""
@@ -646,11 +718,36 @@ class Config(BaseSettings):
                              "or several --engine-url): the canary is loaded into some of them while the rest "
                              "serve the incumbent. On one server, use LoRA publishing (train.lora and "
                              "train.publish: lora): both adapters then live in it")
+        self._check_policies()
         if gateway.admission != "none" and gateway.admission_batches > self.train.max_staleness + 1:
             raise ValueError(f"gateway.admission_batches ({gateway.admission_batches:g}) above "
                              f"train.max_staleness + 1 ({self.train.max_staleness + 1}) admits sessions that can "
                              "only go stale")
         return self
+
+    def _check_policies(self) -> None:
+        """`gateway.policies` and the keys bound to them, refused with a sentence as the config loads."""
+        declared = [p.name for p in self.gateway.policies]
+        for spec in self.gateway.policies:
+            if problem := policy_problem(spec.name, spec.training, spec.settings, self.train):
+                raise ValueError(f"gateway.policies: {problem}")
+        if dupes := sorted({n for n in declared if declared.count(n) > 1}):
+            raise ValueError(f"gateway.policies: {', '.join(dupes)} declared more than once")
+        if DEFAULT_POLICY in declared:
+            raise ValueError(f"gateway.policies: {DEFAULT_POLICY!r} always exists; it takes the config's own train "
+                             "settings, so leave it out")
+        if self.engine.served_model_name in declared:
+            raise ValueError(f"gateway.policies: {self.engine.served_model_name!r} is engine.served_model_name; a "
+                             "policy needs a name of its own, or `model: <name>` could not tell the two apart")
+        if len(declared) + 1 > self.engine.max_loras:
+            raise ValueError(f"gateway.policies declares {len(declared)} policies; with the default one that is "
+                             f"{len(declared) + 1} LoRA adapters, more than engine.max_loras "
+                             f"({self.engine.max_loras}) lets vLLM serve at once. Raise engine.max_loras or "
+                             "declare fewer policies")
+        for policy in self.gateway.policy_by_key().values():
+            if policy != DEFAULT_POLICY and policy not in declared:
+                raise ValueError(f"gateway.api_keys: a key is bound to policy {policy!r}, which "
+                                 "gateway.policies does not declare")
 
     @model_validator(mode="after")
     def _check_gpus(self) -> Config:

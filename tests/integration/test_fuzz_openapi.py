@@ -43,7 +43,13 @@ from tracetrain.proxy.protocol import SEED_MAX, SEED_MIN
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
-AGENT_KEY, ADMIN_KEY = "fuzz-agent", "fuzz-admin"
+AGENT_KEY, ADMIN_KEY, POLICY_KEY = "fuzz-agent", "fuzz-admin", "fuzz-policy-agent"
+POLICY = "fuzz-policy"
+"""A named policy of the fuzzed gateways, which `POLICY_KEY` is bound to: `model` names it in a quarter of the
+cases, so that binding by model and key is fuzzed past its 404 (docs/api.md, "Policies"). `/p/{policy}` paths
+reach a policy through the document's example, `default` (a hook that rewrote path parameters made the fuzzer
+take a case with an invalid session id for a valid one)."""
+POLICIES = [{"name": POLICY}]
 SEED = 20261126
 MAX_TOKENS, MAX_CHOICES = 8, 2
 """What a fuzzed request may make the engine generate: larger `max_tokens` and `n` are cut to these. Valid
@@ -67,7 +73,7 @@ def tiny_engine(tiny_model_path: Path) -> TransformersEngine:
 @pytest.fixture
 def fuzz_gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'fuzz.db'}",
-                            gateway={"default_max_tokens": MAX_TOKENS})
+                            gateway={"default_max_tokens": MAX_TOKENS, "policies": POLICIES})
     yield running
     running.stop()
 
@@ -178,10 +184,12 @@ def _prepare(case: Case, vocab: int) -> Case:
     body = case.body
     if not isinstance(body, dict):
         return case
-    # Half the bodies name the served model: any other `model` is a 404 before a prompt is rendered, and
-    # the generating paths behind it are the ones most worth fuzzing. Chosen by the body, so deterministic.
-    if isinstance(body.get("model"), str) and zlib.crc32(repr(sorted(body)).encode()) % 2:
-        body["model"] = MODEL
+    # Half the bodies name the served model and a quarter the policy: any other `model` is a 404 before a prompt
+    # is rendered, and the generating paths behind it are the ones most worth fuzzing. Chosen by the body, so
+    # deterministic.
+    if isinstance(body.get("model"), str):
+        body["model"] = {1: MODEL, 2: POLICY, 3: MODEL}.get(zlib.crc32(repr(sorted(body)).encode()) % 4,
+                                                            body["model"])
     _bounded(body)
     if case.meta is not None and case.meta.generation.mode is GenerationMode.POSITIVE:
         for suffix, rule in RULES.items():
@@ -197,6 +205,8 @@ STATE_AND_MODEL = {
     "context_length_exceeded": "the rendered prompt is longer than the model's context",
     "session_mismatch": "a reward names a real call (the stateful phase reuses ids from earlier answers) and "
                         "another session",
+    "invalid_policy_settings": "a new policy's settings are checked together on top of the config's trainer "
+                               "(min_sessions within batch_sessions), which the document types one by one",
 }
 """Valid requests refused for what no document can state: a limit of the model, and the state of the store. Told
 apart by their answer, a 400 with one of these codes."""
@@ -307,23 +317,28 @@ def test_every_operation_keeps_its_documented_contract(fuzz_gateway: RunningGate
 
 @pytest.fixture
 def keyed_gateway(tiny_engine: TransformersEngine, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
-    """The same gateway with an agent key and an admin key configured (see test_access.py)."""
+    """The same gateway with an agent key, an agent key bound to a policy and an admin key configured (see
+    test_access.py, test_policies.py)."""
     running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'keyed.db'}",
-                            gateway={"api_keys": [AGENT_KEY], "admin_key": ADMIN_KEY, "default_max_tokens": MAX_TOKENS})
+                            gateway={"api_keys": [AGENT_KEY, {"key": POLICY_KEY, "policy": POLICY}],
+                                     "admin_key": ADMIN_KEY, "default_max_tokens": MAX_TOKENS, "policies": POLICIES})
     yield running
     running.stop()
 
 
-@pytest.mark.parametrize("key", [None, AGENT_KEY, ADMIN_KEY], ids=["no-key", "agent-key", "admin-key"])
+@pytest.mark.parametrize("key", [None, AGENT_KEY, POLICY_KEY, ADMIN_KEY],
+                         ids=["no-key", "agent-key", "policy-key", "admin-key"])
 def test_every_operation_keeps_its_contract_with_keys(keyed_gateway: RunningGateway, key: str | None,
                                                       record_property: Any) -> None:
     """With keys configured: no key is a documented 401 wherever one is needed, an agent key a documented 403
-    on the admin's routes, and the admin key reaches every route as an owner with a fingerprint. The examples
+    on the admin's routes (and a key bound to a policy a documented 403 on another policy's), and the admin key
+    reaches every route as an owner with a fingerprint. The examples
     and random cases only: the coverage phase's boundaries do not depend on the key."""
     started = time.monotonic()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     tally = fuzz(keyed_gateway, headers, max_examples=3, phases=["examples", "fuzzing"])
-    _check(tally, started, record_property, {None: "no_key", AGENT_KEY: "agent_key", ADMIN_KEY: "admin_key"}[key])
+    _check(tally, started, record_property,
+           {None: "no_key", AGENT_KEY: "agent_key", POLICY_KEY: "policy_key", ADMIN_KEY: "admin_key"}[key])
 
 
 # What the fuzzer found, pinned: the fuzzer may draw other cases after any change.

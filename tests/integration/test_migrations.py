@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from alembic import command
 from sqlalchemy import inspect
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from tracetrain.config import TrainConfig
-from tracetrain.store import audit, queries, schema
+from tracetrain.store import audit, policy_lines, queries, schema
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.messages import call_messages
@@ -113,3 +113,34 @@ def test_0011_downgrades_to_0010_and_upgrades_again_keeping_the_sessions(db_url:
         session = s.get(AgentSession, "s")
         assert session is not None and session.purged is None and session.purged_at is None
         assert audit.entries(s) == ([], 0)
+
+
+def test_a_0011_store_upgrades_with_every_session_in_the_default_policy(db_url: str) -> None:
+    """A store built at 0011, before named policies, holding sessions: 0012 puts each in the default policy and
+    registers that policy; back down to 0011 and up again keeps the sessions."""
+    db = connect_db(db_url)
+    with db.begin() as connection:
+        command.upgrade(schema._config(connection), "0011")
+        for sid in ("old-a", "old-b"):
+            connection.exec_driver_sql(
+                "INSERT INTO sessions (id, group_id, status, created_at, updated_at, calls, tokens, excluded) "
+                f"VALUES ('{sid}', 'g', 'final', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 0, 0, false)")
+    assert schema.revision(db) == ("0011", True)
+    with pytest.raises(schema.StoreOutOfDate, match="tracetrain db upgrade"):
+        open_db(db_url)
+    assert schema.upgrade(db) == ("0011", schema.head())
+    with Session(open_db(db_url)) as s:
+        assert [(row.id, row.policy) for row in s.exec(select(AgentSession).order_by(AgentSession.id))] == [
+            ("old-a", "default"), ("old-b", "default")]
+        assert [(line.name, line.training, line.settings, line.source) for line in policy_lines.listed(s)] == [
+            ("default", "lora", {}, "builtin")]
+        assert policy_lines.create(s, name="default", training="lora", settings={}) is None, "the name is taken"
+    with db.begin() as connection:
+        command.downgrade(schema._config(connection), "0011")
+    with db.connect() as connection:
+        assert "policy_lines" not in inspect(connection).get_table_names()
+        assert "policy" not in {c["name"] for c in inspect(connection).get_columns("sessions")}
+        assert connection.exec_driver_sql("SELECT id FROM sessions ORDER BY id").all() == [("old-a",), ("old-b",)]
+    schema.upgrade(db)
+    with Session(db) as s:
+        assert queries.all_session_ids(s, policy="default") == ["old-a", "old-b"]

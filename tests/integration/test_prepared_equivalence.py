@@ -111,7 +111,7 @@ def _session_row(rng: random.Random, sid: str) -> dict[str, Any]:
         "reward_override": _maybe(rng, _float(rng)), "excluded": rng.choice([True, False]),
         "lease_owner": _maybe(rng, _text(rng, 64)), "lease_until": _maybe(rng, _when(rng)),
         "policy_version": _maybe(rng, _int(rng)), "trained_version": _maybe(rng, _int(rng)),
-        "skip_reason": _maybe(rng, _text(rng, 32)),
+        "skip_reason": _maybe(rng, _text(rng, 32)), "policy": _text(rng, 64),
         # A JSON column's None is JSON null on both paths (the type's none_as_null is off).
         "redactions": _maybe(rng, {_text(rng, 8): _int(rng) for _ in range(rng.randint(0, 3))}),
         "purged": _maybe(rng, rng.choice(["retention", "deleted"])), "purged_at": _maybe(rng, _when(rng)),

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from tracetrain.config import Config, TrainConfig, load_config, parse_set
+from tracetrain.config import DEFAULT_POLICY, Config, TrainConfig, load_config, parse_set, policy_problem
+from tracetrain.store import models as store_models
 
 
 def test_precedence_yaml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,3 +272,47 @@ def test_gateway_cpus_with_train_are_refused_before_anything_starts(tmp_path: Pa
     with pytest.raises(SystemExit, match="gateway.cpus with --train"):
         serve(config, train=True)
     assert not (tmp_path / "tt.db").exists(), "refused before the store was opened"
+
+
+def test_policies_and_keys_bound_to_them_load_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "tt.yaml"
+    path.write_text("gateway:\n  policies: [{name: support, settings: {lr: 1.0e-5, retention_days: 30}}, "
+                    "{name: coding}]\n  api_keys: [plain, {key: sk-support, policy: support}]\n")
+    config = load_config(path)
+    assert [(p.name, p.training, p.settings) for p in config.gateway.policies] == [
+        ("support", "lora", {"lr": 1e-5, "retention_days": 30}), ("coding", "lora", {})]
+    assert config.gateway.policy_by_key() == {"sk-support": "support"}
+    assert config.gateway.agent_keys() == ["plain", "sk-support"]
+    assert store_models.DEFAULT_POLICY == DEFAULT_POLICY, "the config and the store name the default alike"
+
+
+@pytest.mark.parametrize(("gateway", "engine", "words"), [
+    ({"policies": [{"name": "a"}, {"name": "b"}, {"name": "c"}]}, {},
+     r"declares 3 policies; with the default one that is 4 LoRA adapters, more than engine\.max_loras \(3\)"),
+    ({"policies": [{"name": "a"}]}, {"max_loras": 1}, r"more than engine\.max_loras \(1\)"),
+    ({"policies": [{"name": "a", "training": "full"}]}, {}, r"'full' training.*full-weight training would change the "
+     r"base model under every other policy"),
+    ({"policies": [{"name": "Support Team"}]}, {}, r"Policy name 'Support Team' is not valid: 1 to 64 characters"),
+    ({"policies": [{"name": "a"}, {"name": "a"}]}, {}, r"a declared more than once"),
+    ({"policies": [{"name": "default"}]}, {}, r"'default' always exists"),
+    ({"policies": [{"name": "tiny"}]}, {"served_model_name": "tiny"}, r"'tiny' is engine\.served_model_name"),
+    ({"policies": [{"name": "a", "settings": {"device": "cuda"}}]}, {}, r"sets device, which a policy cannot set"),
+    ({"policies": [{"name": "a", "settings": {"lr": "fast"}}]}, {}, r"train settings that are not valid: lr:"),
+    ({"policies": [{"name": "a", "settings": {"min_sessions": 64}}]}, {}, r"train settings that are not valid"),
+    ({"policies": [{"name": "a", "settings": {"retention_days": 0}}]}, {}, r"retention_days must be a whole number"),
+    ({"api_keys": [{"key": "k", "policy": "nowhere"}]}, {}, r"bound to policy 'nowhere', which gateway\.policies "
+     r"does not declare"),
+])
+def test_policies_that_cannot_work_are_refused_with_a_sentence_at_load(gateway: dict[str, Any],
+                                                                        engine: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValidationError, match=words):
+        load_config(gateway=gateway, engine=engine)
+
+
+def test_policies_up_to_the_adapter_limit_load_and_the_api_shares_the_check() -> None:
+    config = load_config(gateway={"policies": [{"name": "a"}, {"name": "b"}]}, engine={"max_loras": 3})
+    assert [p.name for p in config.gateway.policies] == ["a", "b"]
+    assert policy_problem("a", "lora", {"lr": 1e-5, "retention_days": None}) is None
+    # Settings are checked on top of the config's trainer: min_sessions 16 fits a batch of 32, not one of 8.
+    assert policy_problem("a", "lora", {"min_sessions": 16}) is None
+    assert "min_sessions" in (policy_problem("a", "lora", {"min_sessions": 16}, TrainConfig(batch_sessions=8)) or "")

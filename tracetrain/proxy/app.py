@@ -7,7 +7,8 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracetrain.proxy.binding import check_path_ids
@@ -84,6 +85,29 @@ class InFlight:
             self.gateway.load.requests -= 1
 
 
+SESSION_PREFIXES = ("/s/{session}/g/{group}", "/s/{session}")
+POLICY_PREFIX = "/p/{policy}"
+
+
+def policy_paths(routers: list[APIRouter]) -> APIRouter:
+    """Every route that binds a session by its path (`/s/{session}/…`), and its plain twin (`/v1/…`), again
+    under `/p/{policy}`: the same handler, with the path's policy confining the caller (proxy/auth.py). A router
+    of its own, built per app: the modules' routers are shared by every app built in a process."""
+    routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
+    bound = {r.path for r in routes if r.path.startswith("/s/")}
+    plain = {path.removeprefix(prefix) for path in bound for prefix in SESSION_PREFIXES if path.startswith(prefix)}
+    prefixed = APIRouter()
+    for route in routes:
+        if route.path in bound | plain:
+            prefixed.add_api_route(
+                POLICY_PREFIX + route.path, route.endpoint, methods=sorted(route.methods or ()),
+                response_model=route.response_model, status_code=route.status_code, responses=route.responses,
+                summary=route.summary, description=route.description, name=f"{route.name}_in_policy",
+                response_class=route.response_class, include_in_schema=route.include_in_schema,
+                dependencies=route.dependencies, openapi_extra=route.openapi_extra)
+    return prefixed
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -100,9 +124,11 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     install_openapi(app)
-    for module in (chat, messages, responses, completions, rewards, sessions, corrections, audit, stats, system,
-                   policies, replicas, generation, console):
-        app.include_router(module.router)
+    routers = [module.router for module in (chat, messages, responses, completions, rewards, sessions, corrections,
+                                            audit, stats, system, policies, replicas, generation, console)]
+    for router in routers:
+        app.include_router(router)
+    app.include_router(policy_paths(routers))
     mount_console(app)
     app.add_middleware(BodyLimit, limit=gateway.config.gateway.max_body_bytes)
     app.add_middleware(InFlight, gateway=gateway)

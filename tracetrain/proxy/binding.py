@@ -1,5 +1,8 @@
 """Which session and group a request belongs to: the most explicit source wins.
 
+The named policy a call belongs to is bound elsewhere: by its key or a `/p/{policy}` path prefix (proxy/auth.py),
+and by its `model` (proxy/serving.py).
+
 URL path (/s/{session}/g/{group}/v1/…) > X-Session-Id / X-Group-Id headers > the body's `metadata`
 (`session_id`, `group_id`) > its `user` (Anthropic: `metadata.user_id`). An unbound call becomes a
 one-call session named after its completion id. Without an explicit group, the group is a hash of the
@@ -20,6 +23,7 @@ from fastapi import Request
 from pydantic import Field
 
 from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.policy_lines import check_policy_name
 
 MAX_ID_LEN = 256
 ID_CHARACTERS = "[^\\x00-\\x1f\\x7f-\\x9f\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u2069\\ufeff]"
@@ -97,9 +101,11 @@ def bind(request: Request, *, metadata: dict[str, Any] | None = None, user: str 
 
 
 async def check_path_ids(request: Request) -> None:
-    """Every route under `/s/{session}` (and `/g/{group}`) holds its path's ids to the rule the document states,
-    whether or not it binds anything with them (the model list, a stored response)."""
+    """Every route under `/s/{session}` (and `/g/{group}`, `/p/{policy}`) holds its path's ids to the rule the
+    document states, whether or not it binds anything with them (the model list, a stored response)."""
     params = request.path_params
+    if "policy" in params:
+        check_policy_name(params["policy"])
     _check(params.get("session"), "session_id")
     _check(params.get("group"), "group_id")
 

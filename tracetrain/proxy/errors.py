@@ -90,11 +90,11 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
 
 
 REFUSALS = frozenset({"unsupported_content", "unsupported_parameter", "unsupported_tool", "unsupported_item",
-                      "missing_target", "invalid_value"})
+                      "missing_target", "invalid_value", "full_weight_policy"})
 """Codes of validation errors the request models raise themselves (`refusal`): what the document leaves out on
 purpose (image parts, penalties the engines are not given, hosted tools), refused with a message that names it
-rather than as a type error, rules a model states in its schema by hand (a reward's target), and a type error
-a union would otherwise report from the wrong alternative (several prompts)."""
+rather than as a type error, rules a model states in its schema by hand (a reward's target, a policy's LoRA-only
+training), and a type error a union would otherwise report from the wrong alternative (several prompts)."""
 
 
 def refusal(code: str, message: str) -> PydanticCustomError:

@@ -25,9 +25,9 @@ from tracetrain.engines.base import Engine
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing
 from tracetrain.proxy.engine_sleep import EngineSleep
-from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.holds import GenerationHolds, mirror_store_holds
 from tracetrain.proxy.metrics import GatewayMetrics
+from tracetrain.proxy.policy_lines import PolicyLines
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.redact import Redactors
 from tracetrain.proxy.render import ChatRenderer
@@ -58,7 +58,7 @@ class Gateway:
     def __init__(self, config: Config, engine: Engine, renderer: ChatRenderer, db: DBEngine, *,
                  writer: StoreWriter, sessions: SessionDirectory, publishing: PublishController,
                  admission: Admission, holds: GenerationHolds, keys: KeyRing, metrics: GatewayMetrics,
-                 redactors: Redactors, load: Load, retention: retention.Retention | None = None,
+                 redactors: Redactors, load: Load, policies: PolicyLines, retention: retention.Retention | None = None,
                  engine_sleep: EngineSleep | None = None, services: Sequence[Service] = ()) -> None:
         self.config = config
         self.engine = engine
@@ -74,6 +74,8 @@ class Gateway:
         self.holds = holds
         """Closed while a `sync`-mode training step runs or the engine reloads weights."""
         self.keys = keys
+        self.policies = policies
+        """The named policies, and which one a call's `model` names (proxy/policy_lines.py)."""
         self.redactors = redactors
         """What is kept of each call (`gateway.redaction`, `gateway.redaction_patterns`, a key's own
         `redaction`; proxy/redact.py)."""
@@ -87,6 +89,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        await self.policies.start()
         await self.writer.start()
         if hasattr(self.engine, "start"):  # a replica set's health checks
             self.engine.start()
@@ -108,15 +111,6 @@ class Gateway:
             await asyncio.to_thread(service.stop)
         await self.writer.stop()
         await self.engine.close()
-
-    def check_model(self, model: str) -> None:
-        if model != self.config.engine.served_model_name:
-            raise APIError(
-                404,
-                f"The model '{model}' does not exist; this gateway serves '{self.config.engine.served_model_name}'.",
-                code="model_not_found",
-                param="model",
-            )
 
     async def read(self, fn: Any) -> Any:
         """Run a read-only query in a worker thread."""

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from tracetrain.config import DEFAULT_POLICY, POLICY_NAME_PATTERN, POLICY_NAME_RULE
 from tracetrain.proxy.binding import ID_CHARACTERS, ID_RULE, MAX_ID_LEN
 from tracetrain.proxy.errors import MESSAGES_PATHS
 
@@ -44,7 +45,7 @@ SSE_EVENT_SCHEMA = {
 """One server-sent event (OpenAPI before 3.2 has a `text/event-stream` schema describe each event)."""
 
 
-BINDING_PARAMETERS = ("session", "group")
+BINDING_PARAMETERS = ("session", "group", "policy")
 PATH_ID_DESCRIPTION = f"1 to {MAX_ID_LEN} characters: {ID_RULE}"
 """Session and group ids in a path (proxy/binding.py, whose regex the schema carries)."""
 
@@ -80,8 +81,16 @@ def generation_responses(described: dict[int, str] | None = None) -> dict[int | 
     return {200: {"description": "The reply: JSON, or server-sent events when the request sets `stream`",
                   "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
             **error_responses(401, 403, 404, 429, 502, 503, 504,
-                              described={403: "The session belongs to another API key",
+                              described={403: "The session belongs to another API key or policy, or the call "
+                                              "names a policy its key or path does not",
                                          404: "No such model", **(described or {})})}
+
+
+def _policy_parameter() -> dict[str, Any]:
+    """`/p/{policy}`: a named policy (config.POLICY_NAME_PATTERN; an unknown one is 404 `policy_not_found`)."""
+    return {"name": "policy", "in": "path", "required": True, "example": DEFAULT_POLICY,
+            "description": f"A named policy: {POLICY_NAME_RULE}. Confines the call to it (docs/api.md, Policies)",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": POLICY_NAME_PATTERN}}
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -97,16 +106,20 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             for name in re.findall(r"{(\w+)}", path):
                 if name in BINDING_PARAMETERS:  # declared by the handler or not, checked by binding.check_path_ids
                     parameters[:] = [p for p in parameters if p is not declared.get(name)]
-                    parameters.append({"name": name, "in": "path", "required": True, "description": PATH_ID_DESCRIPTION,
-                                       "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN,
-                                                  "pattern": f"^{ID_CHARACTERS}+$"}})
+                    parameters.append(_policy_parameter() if name == "policy" else {
+                        "name": name, "in": "path", "required": True, "description": PATH_ID_DESCRIPTION,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN,
+                                   "pattern": f"^{ID_CHARACTERS}+$"}})
             if not parameters:
                 del operation["parameters"]
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             responses.setdefault("400", _error(path, "Invalid request"))
-            if operation.get("requestBody") or path.startswith("/s/"):
+            if operation.get("requestBody") or path.startswith(("/s/", "/p/")):
                 responses.setdefault("401", _error(path, "Missing or wrong API key"))
+            if path.startswith("/p/"):  # proxy/auth.py: the path's policy must exist and be open to the key
+                responses.setdefault("403", _error(path, "The API key is bound to another policy"))
+                responses.setdefault("404", _error(path, "No such policy"))
             if operation.get("requestBody"):
                 responses.setdefault("413", _error(path, "Request body too large"))  # app.BodyLimit
             # Any route that reads or writes the store answers 503 while the store is away (errors.store_error).

@@ -36,10 +36,11 @@ from tracetrain.proxy.render import (
     partial_end,
 )
 from tracetrain.proxy.retries import Retried, find_retried
+from tracetrain.proxy.session_directory import SessionState, forbidden_policy
 from tracetrain.store import corrections, queries, retries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.messages import shared_prefix
-from tracetrain.store.models import CHAINED_LINKS, utcnow
+from tracetrain.store.models import CHAINED_LINKS, DEFAULT_POLICY, utcnow
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Turn:
     session_id: str
     group_id: str
     new_session: bool
+    policy: str
+    """The named policy of its session (`call_policy`)."""
     owner: str | None
     plan: PromptPlan
     parent: ChainNode | None
@@ -128,12 +131,35 @@ class Turn:
         return {"X-Policy-Version": str(self.version), "X-Session-Id": header_value(self.session_id)}
 
 
-async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool) -> Turn:
-    """Bind the session (refusing another key's), admit it if new, and plan its exact prompt ids."""
-    gw.check_model(spec.model)
+async def model_policy(gw: Gateway, spec: CallSpec, caller: Caller) -> str | None:
+    """The policy a call's `model` names (None: the served model's own name): 404 for a model that is neither
+    served nor a policy, 403 `policy_forbidden` for one naming another policy than its key or path does."""
+    named = await gw.policies.for_model(spec.model)
+    if named is not None and caller.confined_elsewhere(named):
+        raise APIError(403, f"This request is bound to policy '{caller.policy}' (by its API key or path); model "
+                       f"'{spec.model}' names another policy.", code="policy_forbidden", param="model")
+    return named
+
+
+def call_policy(caller: Caller, named: str | None, session_id: str, stored: SessionState | None) -> str:
+    """The named policy a call belongs to: its session's once the session exists (a session never changes
+    policy: a model naming another is 403 `policy_forbidden`), else the one its key or path confines it to,
+    else the one its `model` names (`named`), else the default."""
+    if stored is not None:
+        if named is not None and named != stored.policy:
+            raise forbidden_policy(session_id, stored.policy, named)
+        return stored.policy
+    return caller.policy or named or DEFAULT_POLICY
+
+
+async def prepare(gw: Gateway, spec: CallSpec, *, caller: Caller) -> Turn:
+    """Bind the session (refusing another key's or another policy's) and its policy, admit it if new, and plan
+    its exact prompt ids."""
+    named = await model_policy(gw, spec, caller)
     session_id = spec.binding.session_id or spec.completion_id
-    caller = Caller(owner=owner, admin=admin)
     stored = await gw.sessions.owned(session_id, caller, must_exist=False) if spec.binding.session_id else None
+    policy = call_policy(caller, named, session_id, stored)
+    owner = caller.owner
     # The session's owner decides, as it decides training: an admin's call in it is still its users' data.
     redaction = redact_request(gw.redactors.of(stored.owner if stored else owner), spec.messages, spec.request_messages)
     hashed = redaction.messages if redaction else spec.messages
@@ -167,7 +193,7 @@ async def prepare(gw: Gateway, spec: CallSpec, *, owner: str | None, admin: bool
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
     pinned = gw.canary.version_for(new=stored is None, key=spec.binding.group_id or session_id,
                                       pinned=stored.version if stored else None)
-    return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None,
+    return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None, policy=policy,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
                 started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)],
                 pinned=pinned, redaction=redaction, retried=retried)
@@ -292,7 +318,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
         })
 
     new_row = dict(id=turn.session_id, group_id=turn.group_id, owner=turn.owner,
-                   policy_version=rows[0]["policy_version"]) if turn.new_session else None
+                   policy_version=rows[0]["policy_version"], policy=turn.policy) if turn.new_session else None
     check_rollback = gw.config.promotion.mode == "canary"
     retried = turn.retried
 
@@ -306,6 +332,12 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
                                  new_completion_id=spec.completion_id)
         seq = queries.record_calls(db, session_id=turn.session_id, new_session=new_row, rows=rows,
                                    check_rollback=check_rollback, redactions=kept.counts)
+        if new_row is not None:
+            # Two first calls of one session may race (in two gateway processes, say): the second's insert does
+            # nothing, and its calls must not land in a session of another policy. Raising rolls them back.
+            stored = queries.session_owner_group(db.connection(), session_id=turn.session_id)
+            if stored is not None and stored[3] != turn.policy:
+                raise forbidden_policy(turn.session_id, stored[3], turn.policy)
         if no_train is not None:
             corrections.mark_no_train(db, session_id=turn.session_id, reason=no_train, actor=turn.owner)
         return seq
@@ -316,7 +348,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     gw.sessions.delivered(turn.session_id, spec.completion_id)
     gw.publishing.note_served(max(row["policy_version"] for row in rows))
     if turn.new_session:
-        gw.sessions.new(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"])
+        gw.sessions.new(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"], turn.policy)
         gw.metrics.sessions.inc()
     chains = [plan.prompt_ids + c.token_ids for c in turn.choices]
     gw.sessions.remember_calls(turn.session_id, [(row["id"], row["state_hash"]) for row in rows], chains,

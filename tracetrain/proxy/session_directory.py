@@ -21,6 +21,7 @@ from tracetrain.proxy.chain import ChainNode
 from tracetrain.proxy.errors import APIError
 from tracetrain.store import queries
 from tracetrain.store.messages import full_messages
+from tracetrain.store.models import DEFAULT_POLICY
 from tracetrain.store.trajectory import chain_redacted, full_ids
 
 SESSIONS = 100_000
@@ -37,6 +38,14 @@ class SessionState:
     group_id: str
     version: int | None = None
     """The policy version its first call was served by (canary promotion keeps the session on it)."""
+    policy: str = DEFAULT_POLICY
+    """The named policy it belongs to, for good."""
+
+
+def forbidden_policy(session_id: str, policy: str, asked: str | None) -> APIError:
+    """403 for a request confined to (or naming) policy `asked` on a session of `policy`."""
+    return APIError(403, f"Session '{session_id}' belongs to policy '{policy}', not '{asked}'; a session never "
+                    "changes policy.", code="policy_forbidden")
 
 
 class SessionDirectory:
@@ -66,19 +75,23 @@ class SessionDirectory:
 
     async def owned(self, session_id: str, caller: Caller, *, must_exist: bool = True) -> SessionState | None:
         """The session if `caller` may use it: 404 when it does not exist (unless `must_exist` is false, for
-        a call that creates it), 403 when it belongs to another API key."""
+        a call that creates it), 403 when it belongs to another policy than the one the caller is confined
+        to (`policy_forbidden`: a session never changes policy) or to another API key."""
         state = await self.lookup(session_id)
         if state is None:
             if must_exist:
                 raise APIError(404, f"Session '{session_id}' does not exist.", code="session_not_found")
             return None
+        if caller.confined_elsewhere(state.policy):
+            raise forbidden_policy(session_id, state.policy, caller.policy)
         if not caller.may_access(state.owner):
             raise APIError(403, f"Session '{session_id}' belongs to another API key.", code="session_forbidden")
         return state
 
-    def new(self, session_id: str, owner: str | None, group: str, version: int | None) -> SessionState:
+    def new(self, session_id: str, owner: str | None, group: str, version: int | None,
+            policy: str = DEFAULT_POLICY) -> SessionState:
         """The state of a session this process is about to create; a concurrent first call finds it."""
-        state = self._sessions.get(session_id) or SessionState(owner, group, version)
+        state = self._sessions.get(session_id) or SessionState(owner, group, version, policy)
         self._sessions[session_id] = state
         return state
 

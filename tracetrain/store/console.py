@@ -40,12 +40,16 @@ class SessionFilter:
     (ASCII letters fold on SQLite; PostgreSQL's ILIKE folds by the database's locale)."""
     excluded: bool | None = None
     trained: bool | None = None
+    policy: str | None = None
+    """Only this named policy's sessions."""
 
 
 def _conditions(f: SessionFilter) -> list[ColumnElement[bool]]:
     where: list[ColumnElement[bool]] = []
     if f.only_owner:
         where.append(col(AgentSession.owner) == f.owner if f.owner is not None else col(AgentSession.owner).is_(None))
+    if f.policy is not None:
+        where.append(col(AgentSession.policy) == f.policy)
     if f.status is not None:
         where.append(col(AgentSession.status) == f.status)
     if f.reward_min is not None:

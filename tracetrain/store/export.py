@@ -49,33 +49,36 @@ def session_rows(db: Session, session_id: str) -> Iterator[dict[str, Any]]:
             }
 
 
-def iter_rows(db: Engine) -> Iterator[dict[str, Any]]:
+def iter_rows(db: Engine, *, policy: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every exportable segment; only one named policy's sessions with `policy`."""
     with Session(db) as s:
-        for session_id in queries.all_session_ids(s):
+        for session_id in queries.all_session_ids(s, policy=policy):
             yield from session_rows(s, session_id)
 
 
-def record_export(db: Session, *, actor: str | None, fmt: str) -> AuditEntry:
+def record_export(db: Session, *, actor: str | None, fmt: str, policy: str | None = None) -> AuditEntry:
     """The audit entry of an export about to run: who, and how many sessions it may hold (a writer op)."""
     exportable = select(func.count()).select_from(AgentSession).where(
         col(AgentSession.purged).is_(None),
         or_(col(AgentSession.skip_reason).is_(None), col(AgentSession.skip_reason).not_in(NO_TRAIN_REASONS)))
-    return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()),
-                        detail={"format": fmt})
+    if policy is not None:
+        exportable = exportable.where(col(AgentSession.policy) == policy)
+    detail: dict[str, Any] = {"format": fmt} if policy is None else {"format": fmt, "policy": policy}
+    return audit.record(db, action="export", actor=actor, sessions=int(db.exec(exportable).one()), detail=detail)
 
 
-def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int:
-    """Write every trajectory segment to `out`, recorded in the audit log as `actor`'s; returns the number
-    of rows."""
+def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli", policy: str | None = None) -> int:
+    """Write every trajectory segment to `out` (only one named policy's with `policy`), recorded in the audit
+    log as `actor`'s; returns the number of rows."""
     if fmt not in ("jsonl", "parquet"):
         raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")
     with Session(db) as s:
-        record_export(s, actor=actor, fmt=fmt)
+        record_export(s, actor=actor, fmt=fmt, policy=policy)
         s.commit()
     rows = 0
     if fmt == "jsonl":
         with out.open("wb") as fh:
-            for row in iter_rows(db):
+            for row in iter_rows(db, policy=policy):
                 fh.write(orjson.dumps(row) + b"\n")
                 rows += 1
         return rows
@@ -84,7 +87,7 @@ def export(db: Engine, out: Path, fmt: str, *, actor: str | None = "cli") -> int
         import pyarrow.parquet as pq
 
         table_rows = [{**row, "prompt": orjson.dumps(row["prompt"]).decode(),
-                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(db)]
+                       "completion": orjson.dumps(row["completion"]).decode()} for row in iter_rows(db, policy=policy)]
         pq.write_table(pa.Table.from_pylist(table_rows), out)
         return len(table_rows)
     raise ValueError(f"unknown export format {fmt!r}: use jsonl or parquet")

@@ -23,11 +23,19 @@ CHAINED_LINKS = ("extend", "branch")
 """Links whose prompt is the parent's prompt + sampled tokens + a rendered tail, token for token."""
 
 
+DEFAULT_POLICY = "default"
+"""The policy line of every session that no key, path or model name binds elsewhere, and of every session
+a store held before named policies existed (migration 0012)."""
+
+
 class AgentSessionBase(SQLModel):
     id: str = Field(primary_key=True, max_length=256)
     group_id: str = Field(index=True, max_length=256)
     status: str = Field(default="open", max_length=16)
     """`open` until a reward marked `final` arrives."""
+    policy: str = Field(default=DEFAULT_POLICY, index=True, max_length=64)
+    """The named policy (`policy_lines.name`) the session belongs to, fixed by its first call: its rewards
+    and corrections are that policy's, and keys bound to another policy cannot reach it."""
 
 
 class AgentSession(AgentSessionBase, table=True):
@@ -190,6 +198,33 @@ class Policy(SQLModel, table=True):
     probes: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     """The publish probe by replica URL (engines/probe.py): `ok`, `mean_diff`, `max_diff`, `tolerance`.
     A replica whose probe failed was taken out of routing and does not serve this version."""
+
+
+class PolicyLineBase(SQLModel):
+    """A named policy: one line of LoRA versions on the shared base model, with its own sessions and training
+    settings (docs/architecture.md, decision 13). Not to be confused with `Policy`, whose rows are the
+    *versions* a trainer published (today all of the default line)."""
+
+    name: str = Field(primary_key=True, max_length=64)
+    training: str = Field(default="lora", max_length=16)
+    """How the line trains: `lora` only; full-weight training would move the base model every other policy
+    shares, and is refused when a policy is created."""
+    settings: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    """Overrides of the `train.*` settings for this line (`{"lr": 1e-5, "advantage": "grpo"}`), and its
+    `retention_days`; what is left out follows the config."""
+
+
+class PolicyLine(PolicyLineBase, table=True):
+    __tablename__ = "policy_lines"
+    created_at: datetime = Field(default_factory=utcnow)
+    source: str = Field(default="api", max_length=16)
+    """Where it was declared: `api` (`POST /v1/policies`), `config` (the config file's `policies`), or
+    `builtin` (the default line, present in every store)."""
+
+
+class PolicyLinePublic(PolicyLineBase):
+    created_at: datetime
+    source: str
 
 
 class GenerationHold(SQLModel, table=True):

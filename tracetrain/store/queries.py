@@ -11,7 +11,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import CHAINED_LINKS, PURGED_STATE, AgentSession, Call, Policy, Reward, utcnow
+from tracetrain.store.models import (
+    CHAINED_LINKS,
+    DEFAULT_POLICY,
+    PURGED_STATE,
+    AgentSession,
+    Call,
+    Policy,
+    Reward,
+    utcnow,
+)
 from tracetrain.store.prepared import Prepared
 from tracetrain.store.promotion import ROLLED_BACK
 
@@ -43,24 +52,25 @@ _POLICIES: Table = Policy.__table__  # type: ignore[attr-defined]
 # FOR SHARE on PostgreSQL (SQLite renders nothing: the writer's IMMEDIATE transaction holds the file's lock).
 _PROMOTION_LOCKED = Prepared(core_select(_POLICIES.c.promotion).where(_POLICIES.c.version == bindparam("v"))
                              .with_for_update(read=True))
-_SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version).where(
-    _SESSIONS.c.id == bindparam("sid")))
+_SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version,
+                                       _SESSIONS.c.policy).where(_SESSIONS.c.id == bindparam("sid")))
 
 
 def session_row(*, id: str, group_id: str, owner: str | None, policy_version: int | None, model: str | None,
-                calls: int, tokens: int) -> dict[str, Any]:
+                calls: int, tokens: int, policy: str = DEFAULT_POLICY) -> dict[str, Any]:
     """A new `sessions` row as the serving core inserts it: every column, the rest at their defaults
     (a plain dict: building an `AgentSession` model showed up in the gateway's profile of new sessions)."""
     now = utcnow()
     return {**_SESSION_DEFAULTS, "id": id, "group_id": group_id, "owner": owner, "created_at": now,
-            "updated_at": now, "model": model, "calls": calls, "tokens": tokens, "policy_version": policy_version}
+            "updated_at": now, "model": model, "calls": calls, "tokens": tokens, "policy_version": policy_version,
+            "policy": policy}
 
 
 _SESSION_DEFAULTS = {"status": "open", "reward": None, "reward_override": None, "excluded": False, "lease_owner": None,
                      "lease_until": None, "trained_version": None, "skip_reason": None, "redactions": None,
                      "purged": None, "purged_at": None}
 if set(SESSION_COLUMNS) - _SESSION_DEFAULTS.keys() != {"id", "group_id", "owner", "created_at", "updated_at",
-                                                       "model", "calls", "tokens", "policy_version"}:
+                                                       "model", "calls", "tokens", "policy_version", "policy"}:
     raise RuntimeError("the sessions table changed: give its new column a default in _SESSION_DEFAULTS")
 
 
@@ -72,11 +82,11 @@ def add_session_if_absent(db: Session, *, row: dict[str, Any]) -> bool:
     return bool(statement.execute(conn, row).rowcount == 1)
 
 
-def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str, int | None] | None:
-    """(owner, group, version it started on) of a stored session, or None: the gateway's check on every
-    call of a session it has not cached."""
+def session_owner_group(conn: Connection, *, session_id: str) -> tuple[str | None, str, int | None, str] | None:
+    """(owner, group, version it started on, policy) of a stored session, or None: the gateway's check on
+    every call of a session it has not cached."""
     row = _SESSION_OWNER.execute(conn, {"sid": session_id}).fetchone()
-    return None if row is None else (row[0], row[1], row[2])
+    return None if row is None else (row[0], row[1], row[2], row[3])
 
 
 def session_calls(db: Session, *, session_id: str) -> Sequence[Call]:
@@ -110,8 +120,12 @@ def reward_by_key(db: Session, *, session_id: str, idempotency_key: str) -> Rewa
     return db.exec(query).first()
 
 
-def all_session_ids(db: Session) -> Sequence[str]:
-    return db.exec(select(AgentSession.id).order_by(col(AgentSession.created_at))).all()
+def all_session_ids(db: Session, *, policy: str | None = None) -> Sequence[str]:
+    """Every session id, oldest first; only one named policy's with `policy`."""
+    query = select(AgentSession.id).order_by(col(AgentSession.created_at))
+    if policy is not None:
+        query = query.where(AgentSession.policy == policy)
+    return db.exec(query).all()
 
 
 def latest_call_id(db: Session, *, session_id: str) -> str | None:

@@ -196,8 +196,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ChatCompletionR
 async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep, response: Response,
                            caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
-        turn = await prepare(gw, _spec(request, body, gw.config.gateway.default_max_tokens), owner=caller.owner,
-                             admin=caller.admin)
+        turn = await prepare(gw, _spec(request, body, gw.config.gateway.default_max_tokens), caller=caller)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()

@@ -216,7 +216,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: CompletionReque
 async def completions(body: CompletionRequest, request: Request,
                       gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
-        turn = await prepare(gw, _spec(gw, request, body), owner=caller.owner, admin=caller.admin)
+        turn = await prepare(gw, _spec(gw, request, body), caller=caller)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()

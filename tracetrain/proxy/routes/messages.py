@@ -204,8 +204,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: MessagesRequest
 async def messages(body: MessagesRequest, request: Request,
                    gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
-        turn = await prepare(gw, _spec(request, body, _sampling(body), body.metadata), owner=caller.owner,
-                             admin=caller.admin)
+        turn = await prepare(gw, _spec(request, body, _sampling(body), body.metadata), caller=caller)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()
@@ -229,5 +228,5 @@ async def count_tokens(body: CountTokensRequest, request: Request,
     """The prompt's tokens as a Messages call with these fields would send them (`input_tokens` of its usage),
     rendered by the gateway itself; under a session path, on the session's token chain. Records nothing."""
     spec = _spec(request, body, SamplingParams(), None)
-    ids = await prompt_ids(gw, spec, owner=caller.owner, admin=caller.admin)
+    ids = await prompt_ids(gw, spec, caller=caller)
     return CountTokensResponse(input_tokens=len(ids))

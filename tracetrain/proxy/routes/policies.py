@@ -1,5 +1,5 @@
-"""Policy versions: list them with their training figures, publish a new one, and promote or roll back a
-canary by hand (admin only).
+"""Named policies and their versions: create a policy, list them with their versions' training figures,
+publish a new version, and promote or roll back a canary by hand (admin only).
 
 A trainer running as its own process (`tracetrain train`) hands each checkpoint to the gateway
 here; the gateway owns the engine, so it loads the weights and switches versions atomically.
@@ -10,21 +10,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional, cast
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model, field_validator
 from sqlmodel import Session
 
+from tracetrain.config import POLICY_NAME_PATTERN, POLICY_TRAIN_SETTINGS, TrainConfig
 from tracetrain.engines.base import EngineError
 from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError
 from tracetrain.proxy.auth import AdminDep
-from tracetrain.proxy.errors import APIError
+from tracetrain.proxy.errors import APIError, refusal
 from tracetrain.proxy.gateway import Gateway, GatewayDep
 from tracetrain.proxy.openapi import error_responses
+from tracetrain.proxy.policy_lines import PolicyQuery, scoped_policy
 from tracetrain.proxy.protocol import INTEGRAL, RequestModel
-from tracetrain.store import leases, queries
-from tracetrain.store.models import Policy
+from tracetrain.store import leases, policy_lines, queries
+from tracetrain.store.models import DEFAULT_POLICY, Policy, PolicyLine, PolicyLinePublic
 
 router = APIRouter(responses=error_responses(401, 403))
 
@@ -36,6 +38,53 @@ class PublishRequest(RequestModel):
     kind: Literal["full", "lora"]
 
 
+class _SettingsModel(RequestModel):
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt setting must not be dropped silently
+
+
+def _optional(name: str) -> tuple[Any, None]:
+    """A `train.*` setting as a policy may set it: its config type, or left out."""
+    field = TrainConfig.model_fields[name]
+    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation  # its bounds
+    return Optional[kind], None  # noqa: UP045 (a runtime type expression)
+
+
+_SETTINGS: dict[str, Any] = {name: _optional(name) for name in sorted(POLICY_TRAIN_SETTINGS)}
+_SETTINGS["retention_days"] = (Annotated[int, Field(ge=1), INTEGRAL] | None, None)
+PolicySettings = create_model(
+    "PolicySettings", __base__=_SettingsModel, __doc__="A policy's own `train.*` settings and its retention; what is "
+    "left out follows the config. Checked together on top of the config's trainer settings (400 "
+    "`invalid_policy_settings`: `min_sessions` above `batch_sessions`, …).", **_SETTINGS)
+"""The settings `POST /v1/policies` takes, typed as the config types them (config.POLICY_TRAIN_SETTINGS)."""
+
+
+class CreatePolicyRequest(RequestModel):
+    """A new named policy (docs/api.md, "Policies"): a line of LoRA versions on the shared base model."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=POLICY_NAME_PATTERN)
+    training: Literal["lora"] = "lora"
+    """`lora`, the only kind a policy may train; anything else is 400 `full_weight_policy`."""
+    settings: PolicySettings = Field(default_factory=PolicySettings)  # type: ignore[valid-type]
+    """Its own `train.*` settings (`lr`, `advantage`, …) and `retention_days`; the rest follow the config."""
+
+    @field_validator("training", mode="before")
+    @classmethod
+    def _lora_only(cls, value: Any) -> Any:
+        if value != "lora":
+            raise refusal("full_weight_policy", f"A policy trains LoRA adapters only, not {value!r}: full-weight "
+                          "training would change the base model under every other policy. Use training: lora.")
+        return value
+
+
+def _body_kind(value: Any) -> str:
+    """A body with `name` creates a policy; any other publishes a checkpoint (and is checked as one)."""
+    return "create" if isinstance(value, dict) and "name" in value else "publish"
+
+
+PolicyPost = Annotated[Annotated[CreatePolicyRequest, Tag("create")] | Annotated[PublishRequest, Tag("publish")],
+                       Discriminator(_body_kind)]
+
+
 def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
     """Whether `path` is a checkpoint directory of `kind` at all (engines/publishing.py): safetensors files, or a
     PEFT adapter's config. Whether its tensors fit the served model is the publisher's check."""
@@ -44,15 +93,24 @@ def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
     return (path / ADAPTER_CONFIG).is_file() if kind == "lora" else any(path.glob("*.safetensors"))
 
 
-@router.get("/v1/policies")
-async def list_policies(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
+@router.get("/v1/policies", responses=error_responses(404, described={404: "No such policy"}))
+async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> dict[str, Any]:
+    """The named policies (`policies`, only `policy`'s when asked) and the published versions (`data`). Versions
+    are the default policy's line until the trainer trains named ones: asked for another policy, `data` and
+    the session counts are empty."""
+    only = await scoped_policy(gw.policies, caller, policy)
+    versions = only is None or only == DEFAULT_POLICY
 
-    def read(db: Session) -> tuple[Sequence[Policy], int, int, dict[str, int]]:
-        return (queries.list_policies(db), leases.ready_count(db), leases.leased_count(db),
+    def read(db: Session) -> tuple[Sequence[PolicyLine], Sequence[Policy], int, int, dict[str, int]]:
+        lines = policy_lines.listed(db, name=only)
+        if not versions:
+            return lines, [], 0, 0, {}
+        return (lines, queries.list_policies(db), leases.ready_count(db), leases.leased_count(db),
                 leases.set_aside_counts(db))
 
-    rows, ready, leased, set_aside = await gw.read(read)
+    lines, rows, ready, leased, set_aside = await gw.read(read)
     return {"object": "list", "served_version": gw.engine.version,
+            "policies": [PolicyLinePublic.model_validate(line).model_dump(mode="json") for line in lines],
             # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
@@ -63,9 +121,22 @@ async def list_policies(gw: GatewayDep, _: AdminDep) -> dict[str, Any]:
 
 @router.post("/v1/policies", responses=error_responses(
     404, 409, 502, described={404: "No checkpoint of that kind at that path on the gateway's machine",
-                              409: "No publisher, a version not newer than the served one, or a canary on trial",
+                              409: "No publisher, a version not newer than the served one, or a canary on trial; "
+                                   "a policy name taken, or more policies than engine.max_loras",
                               502: "The engine refused the checkpoint; it still serves the old version"}))
-async def publish_policy(gw: GatewayDep, body: PublishRequest, _: AdminDep) -> dict[str, Any]:
+async def post_policy(gw: GatewayDep, body: PolicyPost, _: AdminDep) -> dict[str, Any]:
+    """`{"name": …}` creates a named policy (201 in spirit, 200 as every route here answers); `{"version",
+    "checkpoint", "kind"}` publishes a checkpoint, as a trainer in another process does."""
+    if isinstance(body, CreatePolicyRequest):
+        given = cast(BaseModel, body.settings).model_dump(exclude_unset=True)
+        # null leaves a train setting to the config; for retention_days it means forever.
+        settings = {k: v for k, v in given.items() if v is not None or k == "retention_days"}
+        line = await gw.policies.create(body.name, body.training, settings)
+        return {"created": True, **PolicyLinePublic.model_validate(line).model_dump(mode="json")}
+    return await publish(gw, body)
+
+
+async def publish(gw: Gateway, body: PublishRequest) -> dict[str, Any]:
     path = Path(body.checkpoint)
     # A path that names no checkpoint is the request's fault, like an unknown completion id: a 404 before the
     # publisher runs, never a 502 from it (the publisher read the gateway's own working directory as one).

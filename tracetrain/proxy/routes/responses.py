@@ -46,6 +46,7 @@ from tracetrain.proxy.serving import (
     prepare,
     text_pieces,
 )
+from tracetrain.proxy.session_directory import forbidden_policy
 from tracetrain.store import queries
 from tracetrain.store.messages import call_messages
 from tracetrain.store.models import PURGED_STATE, Call
@@ -76,6 +77,9 @@ async def _stored(gw: Gateway, response_id: str, caller: Caller, param: str | No
     # A purged call's content is gone (store/retention.py): nothing to read back or continue from.
     if call is None or call.request_params.get("store") is False or call.state_hash == PURGED_STATE:
         raise APIError(404, f"Response '{response_id}' not found.", code="response_not_found", param=param)
+    session = await gw.sessions.lookup(call.session_id)
+    if session is not None and caller.confined_elsewhere(session.policy):
+        raise forbidden_policy(call.session_id, session.policy, caller.policy)
     if not caller.may_access(call.owner):
         raise APIError(403, f"Response '{response_id}' belongs to another API key.", code="session_forbidden")
     return call
@@ -231,7 +235,7 @@ async def _stream(gw: Gateway, turn: Turn, run: StreamRun, body: ResponsesReques
 async def create_response(body: ResponsesRequest, request: Request,
                           gw: GatewayDep, response: Response, caller: CallerDep) -> Any:
     async with counted(gw, body.stream):
-        turn = await prepare(gw, await _spec(gw, request, body, caller), owner=caller.owner, admin=caller.admin)
+        turn = await prepare(gw, await _spec(gw, request, body, caller), caller=caller)
         if body.stream:
             run = StreamRun(gw, turn)
             await run.started()

@@ -15,6 +15,7 @@ from tracetrain.proxy.auth import AdminDep, CallerDep
 from tracetrain.proxy.console_protocol import SessionList, SessionSummary, conversation_items
 from tracetrain.proxy.gateway import GatewayDep
 from tracetrain.proxy.openapi import error_responses
+from tracetrain.proxy.policy_lines import PolicyQuery, scoped_policy
 from tracetrain.store import console, queries
 from tracetrain.store.console import SessionFilter
 from tracetrain.store.export import iter_rows, record_export
@@ -24,7 +25,8 @@ from tracetrain.store.trajectory import session_trajectories
 router = APIRouter()
 
 
-@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(401))
+@router.get("/v1/sessions", response_model=SessionList, responses=error_responses(
+    401, 403, 404, described={403: "A policy the API key is not bound to", 404: "No such policy"}))
 async def list_sessions(
     gw: GatewayDep, caller: CallerDep,
     limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=2**62),
@@ -39,11 +41,13 @@ async def list_sessions(
     excluded: bool | None = None, trained: bool | None = Query(None, description="Whether a trainer learned from it."),
     sort: Literal["created", "updated", "reward", "calls", "tokens"] = "created",
     order: Literal["asc", "desc"] = "desc",
+    policy: PolicyQuery = None,
 ) -> SessionList:
-    """Sessions, newest first by default; an agent key sees only its own, the admin key every session."""
+    """Sessions, newest first by default; an agent key sees only its own, the admin key every session; a key
+    bound to a policy only that policy's."""
     where = SessionFilter(owner=caller.owner, only_owner=not caller.admin, status=status, reward_min=reward_min,
                           reward_max=reward_max, group_id=group, model=model, text=q, excluded=excluded,
-                          trained=trained)
+                          trained=trained, policy=await scoped_policy(gw.policies, caller, policy))
 
     def read(db: Session) -> SessionList:
         rows, total = console.search_sessions(db, where=where, sort=sort, descending=order == "desc", limit=limit,
@@ -114,14 +118,16 @@ class NDJSONStream(StreamingResponse):
     media_type = "application/x-ndjson"
 
 
-@router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(401, 403))
-async def export_jsonl(gw: GatewayDep, caller: AdminDep) -> NDJSONStream:
-    """Every trajectory segment, one JSON object per line; sessions not for training or purged are left
-    out. Recorded in the audit log (`GET /v1/audit`) before the first line."""
-    await gw.writer.submit(lambda db: record_export(db, actor=caller.owner, fmt="jsonl"))
+@router.get("/v1/export", response_class=NDJSONStream, responses=error_responses(
+    401, 403, 404, described={404: "No such policy"}))
+async def export_jsonl(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> NDJSONStream:
+    """Every trajectory segment, one JSON object per line (only one named policy's with `policy`); sessions not
+    for training or purged are left out. Recorded in the audit log (`GET /v1/audit`) before the first line."""
+    only = await scoped_policy(gw.policies, caller, policy)
+    await gw.writer.submit(lambda db: record_export(db, actor=caller.owner, fmt="jsonl", policy=only))
 
     def lines() -> Iterator[bytes]:
-        for row in iter_rows(gw.db):
+        for row in iter_rows(gw.db, policy=only):
             yield orjson.dumps(row) + b"\n"
 
     return NDJSONStream(lines())

@@ -322,16 +322,19 @@ def purge_cmd(config: Config) -> None:
     """Clear the content of every session past its retention now, as the gateway does on its schedule."""
     import asyncio
 
+    from sqlmodel import Session
+
     from tracetrain.compose import retention_rules
     from tracetrain.store import retention
     from tracetrain.store.db import open_db
     from tracetrain.store.writer import StoreWriter
 
     rules = retention_rules(config)
-    if rules is None:
-        print("nothing to purge: neither store.retention_days nor any key's retention_days is set")
-        return
     db = open_db(config.store.url)  # an out-of-date store is refused
+    with Session(db) as s:
+        if not retention.anything_expires(s, retention=rules):
+            print("nothing to purge: neither store.retention_days nor any key's or policy's retention_days is set")
+            return
 
     async def run() -> int:
         # Through a store writer, as the gateway writes: on SQLite it takes turns with running gateways.

@@ -67,11 +67,9 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
         services=[make(publishing.publish, holds.hold_for_training) for make in services])
 
 
-def retention_rules(config: Config) -> Retention | None:
-    """`store.retention_days`, with the keys' own by fingerprint (a session's `owner`); None when no session's
-    content ever expires."""
-    if not config.retains():
-        return None
+def retention_rules(config: Config) -> Retention:
+    """`store.retention_days`, with the keys' own by fingerprint (a session's `owner`). The policies' own are
+    read from the store at each purge (`Retention.with_policies`), since policies can be created at run time."""
     return Retention(config.store.retention_days, {
         fingerprint(key): days for key, days in config.gateway.retention_by_key().items()})
 

@@ -240,7 +240,8 @@ class PolicySpec(BaseModel):
     training: str = "lora"
     """`lora`, the only kind a policy may train: a full-weight policy would move every other policy's base."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    """Its own `train.*` settings (`lr`, `advantage`, …) and `retention_days`; the rest follow the config."""
+    """Its own `train.*` settings (`lr`, `advantage`, …) and `retention_days` (its sessions' content, in place
+    of `store.retention_days`; null: forever; a key's own still wins); the rest follow the config."""
 
 
 class ApiKey(BaseModel):
@@ -254,8 +255,8 @@ class ApiKey(BaseModel):
     for training (counted as set aside with reason `no_train_key`)."""
     retention_days: int | None = Field(default=None, ge=1)
     """This key's sessions keep their content this many days after their last activity, in place of
-    `store.retention_days`; set to null, forever. Left out: `store.retention_days`. (Per policy once
-    named policies exist, docs/architecture.md decision 13.)"""
+    `store.retention_days` and its policy's own; set to null, forever. Left out: its policy's
+    `retention_days` if it has one, else `store.retention_days`."""
     redaction: Literal["off", "detect", "redact"] | None = None
     """This key's redaction mode in place of `gateway.redaction` (a key whose users' data must be
     kept as sent, or one that must never be). None: `gateway.redaction`. (Per policy once named policies exist.)"""
@@ -416,9 +417,9 @@ class StoreConfig(BaseModel):
     """Days a session keeps its content after its last activity; then a purge clears its messages, replies,
     token ids, logprobs and tool arguments and results, and keeps what the figures need (the session row
     with its counts, rewards, versions, timestamps and redaction counts); a purged session is never trained
-    on or exported. None: kept forever. A key may set its own (`gateway.api_keys`). The gateway purges every
-    `store.retention_interval_s`; `tracetrain db purge` purges at once. It becomes a setting per policy when
-    named policies exist (docs/architecture.md, decision 13)."""
+    on or exported. None: kept forever. A named policy may set its own (its `retention_days` setting) and a
+    key its own (`gateway.api_keys`), which wins over its policy's. The gateway purges every
+    `store.retention_interval_s`; `tracetrain db purge` purges at once."""
     retention_interval_s: float = Field(default=3600.0, gt=0)
     """How often the gateway purges sessions past their retention (one batch of sessions per write
     transaction, beside the traffic); it also purges once as it starts."""
@@ -819,11 +820,6 @@ class Config(BaseSettings):
         return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
                                       "sleep": "on" if plan.sleep else "off", "dtype": dtype},
                               gateway={"admission": admission}, train=train)
-
-    def retains(self) -> bool:
-        """Whether any session's content ever expires: a purge has something to do."""
-        return self.store.retention_days is not None or any(
-            d is not None for d in self.gateway.retention_by_key().values())
 
     @property
     def admission_limit(self) -> int:

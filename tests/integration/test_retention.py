@@ -175,14 +175,15 @@ def _indexed(db: Engine, session_id: str) -> int:
                                       {"s": session_id}).scalar_one())
 
 
-def _old_sessions(db: Engine, prefix: str, n: int, *, days: float, owner: str | None = None) -> list[str]:
+def _old_sessions(db: Engine, prefix: str, n: int, *, days: float, owner: str | None = None,
+                  policy: str = "default") -> list[str]:
     """`n` finished, rewarded one-call sessions last active `days` ago, written as the gateway writes them."""
     then = utcnow() - timedelta(days=days)
     ids = [f"{prefix}-{i}" for i in range(n)]
     with Session(db) as s:
         for sid in ids:
             s.add(AgentSession(id=sid, group_id=sid, owner=owner, status="final", created_at=then, updated_at=then,
-                               model="tiny", calls=1, tokens=6, reward=1.0))
+                               model="tiny", calls=1, tokens=6, reward=1.0, policy=policy))
             s.add(Call(id=f"{sid}-c", completion_id=f"chatcmpl-{sid}", session_id=sid, group_id=sid, link="start",
                        model="tiny", prompt_tokens=3, completion_tokens=3, created_at=then, owner=owner,
                        state_hash=f"h{sid}", prompt_ids=encode_ids([1, 2, 3]), completion_ids=encode_ids([4, 5, 6]),
@@ -381,3 +382,36 @@ def test_a_deleted_response_is_neither_read_back_nor_continued(retaining: Runnin
     continued = httpx.post(f"{gw.url}/v1/responses", headers=_headers(AGENT), timeout=60, json={
         "model": "tiny", "input": "and then?", "previous_response_id": response_id, "max_output_tokens": 4})
     assert continued.status_code == 404 and continued.json()["error"]["code"] == "response_not_found"
+
+
+def test_a_policy_keeps_its_sessions_as_long_as_its_own_retention_says(db_url: str, tmp_path: Path) -> None:
+    """The most specific rule wins: a key's own retention, else the session's policy's (stored with the
+    policy, so one created over the API counts), else the gateway's."""
+    from tracetrain.store import policy_lines
+
+    db = open_db(db_url)
+    with Session(db) as s:
+        policy_lines.create(s, name="brief", training="lora", settings={"retention_days": 3})
+        policy_lines.create(s, name="archive", training="lora", settings={"retention_days": None})
+        policy_lines.create(s, name="plain", training="lora", settings={"lr": 1e-4})
+    keeper = fingerprint(KEEPER)
+    brief_old = _old_sessions(db, "brief-old", 2, days=5, policy="brief")
+    brief_young = _old_sessions(db, "brief-young", 1, days=1, policy="brief")
+    archived = _old_sessions(db, "archive", 2, days=400, policy="archive")
+    plain_old = _old_sessions(db, "plain-old", 1, days=40, policy="plain")  # follows the gateway's 30 days
+    kept_by_key = _old_sessions(db, "keeper", 1, days=40, owner=keeper, policy="brief")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"gateway": {"api_keys": [{"key": KEEPER, "retention_days": None}]}}))
+
+    only_policies = _cli("--config", str(config), "db", "purge", "--db-url", db_url)
+    assert only_policies.returncode == 0 and "purged the content of 2 sessions" in only_policies.stdout, (
+        only_policies.stdout + only_policies.stderr)
+    with_gateway = _cli("--config", str(config), "db", "purge", "--db-url", db_url, "--retention-days", "30")
+    assert with_gateway.returncode == 0 and "purged the content of 1 sessions" in with_gateway.stdout
+    with Session(db) as s:
+        state = {sid: s.get(AgentSession, sid).purged  # type: ignore[union-attr]
+                 for sid in brief_old + brief_young + archived + plain_old + kept_by_key}
+    assert state == {**{sid: "retention" for sid in brief_old + plain_old},
+                     **{sid: None for sid in brief_young + archived + kept_by_key}}
+    for sid in brief_old + plain_old:
+        _assert_cleared(db, sid)

@@ -80,7 +80,7 @@ class Gateway:
         """What is kept of each call (`gateway.redaction`, `gateway.redaction_patterns`, a key's own
         `redaction`; proxy/redact.py)."""
         self.retention = retention
-        """How long sessions keep their content (`store.retention_days`, a key's own); None: forever."""
+        """How long sessions keep their content (the gateway's, a key's, a policy's); None: no purges."""
         self.metrics = metrics
         self.engine_sleep = engine_sleep
         """vLLM asleep during `sync`-mode steps on a GPU it shares with the trainer (proxy/engine_sleep.py)."""

@@ -31,6 +31,11 @@ def listed(db: Session, *, name: str | None = None) -> Sequence[PolicyLine]:
     return db.exec(query).all()
 
 
+def retention_days(db: Session) -> dict[str, int | None]:
+    """Each line whose settings give a `retention_days` of its own: days, or None for forever."""
+    return {line.name: line.settings["retention_days"] for line in listed(db) if "retention_days" in line.settings}
+
+
 def create(db: Session, *, name: str, training: str, settings: dict[str, Any],
            source: str = "api") -> PolicyLine | None:
     """Add a line and commit; None when the name is taken (the existing line is left as it was)."""

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,7 +38,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from tracetrain.store import audit
+from tracetrain.store import audit, policy_lines
 from tracetrain.store.models import PURGED_STATE, AgentSession, Call, utcnow
 from tracetrain.store.writer import WriteOp
 
@@ -58,26 +58,38 @@ CLEARED_CALL: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Retention:
-    """How long sessions keep their content: `days` for every session (None: forever), or `by_owner` for the
-    sessions of one key (by fingerprint; a None value: that key's sessions are kept forever)."""
+    """How long sessions keep their content, the most specific rule first: `by_owner` for the sessions of
+    one key (by fingerprint), else `by_policy` for those of one named policy, else `days` (None: forever).
+    A None value in either mapping keeps those sessions forever."""
 
     days: int | None = None
     by_owner: Mapping[str, int | None] = field(default_factory=dict)
+    by_policy: Mapping[str, int | None] = field(default_factory=dict)
 
     def expired(self, now: datetime) -> ColumnElement[bool] | None:
         """Sessions whose last activity is older than their retention; None when nothing ever expires."""
         updated = col(AgentSession.updated_at)
         terms = [and_(col(AgentSession.owner) == owner, updated < now - timedelta(days=days))
                  for owner, days in self.by_owner.items() if days is not None]
+        no_key_rule: ColumnElement[bool] = col(AgentSession.owner).is_(None)
+        if self.by_owner:
+            no_key_rule = or_(no_key_rule, col(AgentSession.owner).not_in(list(self.by_owner)))
+        terms += [and_(no_key_rule, col(AgentSession.policy) == policy, updated < now - timedelta(days=days))
+                  for policy, days in self.by_policy.items() if days is not None]
         if self.days is not None:
-            others: ColumnElement[bool] = col(AgentSession.owner).is_(None)
-            if self.by_owner:
-                others = or_(others, col(AgentSession.owner).not_in(list(self.by_owner)))
-            terms.append(and_(others, updated < now - timedelta(days=self.days)))
+            rest = and_(no_key_rule, col(AgentSession.policy).not_in(list(self.by_policy))) if self.by_policy \
+                else no_key_rule
+            terms.append(and_(rest, updated < now - timedelta(days=self.days)))
         return or_(*terms) if terms else None
 
+    def with_policies(self, db: Session) -> Retention:
+        """These rules with each named policy's own `retention_days` as the store holds it now, so that a
+        policy created over the API counts from the next purge on."""
+        return replace(self, by_policy=policy_lines.retention_days(db))
+
     def describe(self) -> dict[str, Any]:
-        return {"retention_days": self.days, "keys_with_own_retention": len(self.by_owner)}
+        return {"retention_days": self.days, "keys_with_own_retention": len(self.by_owner),
+                "policies_with_own_retention": len(self.by_policy)}
 
 
 def _not_cleared_since() -> ColumnElement[bool]:
@@ -112,12 +124,18 @@ def _clear_calls(db: Session, *, session_ids: Sequence[str]) -> int:
     return int(done.rowcount)  # type: ignore[attr-defined]
 
 
+def anything_expires(db: Session, *, retention: Retention) -> bool:
+    """Whether any rule, the policies' as stored now included, ever clears a session's content."""
+    return retention.with_policies(db).expired(utcnow()) is not None
+
+
 def purge_expired(db: Session, *, retention: Retention, actor: str | None, now: datetime | None = None,
                   limit: int = BATCH) -> int:
     """Clear up to `limit` sessions whose content is past `retention` (oldest activity first), mark them
     `retention` (a session already `deleted` stays so) and record one audit entry; returns how many were
     cleared (fewer than `limit`: nothing else has expired). A writer op."""
     now = now or utcnow()
+    retention = retention.with_policies(db)
     expired = retention.expired(now)
     if expired is None:
         return 0

@@ -1,0 +1,32 @@
+"""Versions per named policy: `policies` gains `line` and is keyed by (line, version), so each named policy
+numbers its own versions from 0 (its base model). Every version a store held before is the default line's.
+
+Revision ID: 0013
+Revises: 0012
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0013"
+down_revision = "0012"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    # Batch mode: SQLite cannot change a primary key in place, so the table is copied (no foreign key
+    # points at `policies`, so the copy trips none); PostgreSQL alters it.
+    with op.batch_alter_table("policies", recreate="always") as batch:
+        batch.add_column(sa.Column("line", sa.String(length=64), nullable=False, server_default="default"))
+        batch.create_primary_key("pk_policies", ["line", "version"])
+
+
+def downgrade() -> None:
+    # Only the default line's versions fit a table keyed by version alone.
+    op.execute("DELETE FROM policies WHERE line <> 'default'")
+    with op.batch_alter_table("policies", recreate="always") as batch:
+        batch.drop_column("line")
+        batch.create_primary_key("pk_policies", ["version"])

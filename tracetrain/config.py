@@ -122,7 +122,7 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = 3
     """Older checkpoint directories are deleted (their store rows stay)."""
     max_steps: int | None = None
-    """Stop after this many steps (None: run until stopped)."""
+    """Stop after this many steps, every named policy's counted (None: run until stopped)."""
     publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
     """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap.
     `reload` with `lora: true` merges each adapter into the base weights and serves those. `auto`:

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from peft import PeftModel
 from sqlmodel import Session, select
+from transformers import AutoModelForCausalLM
 
 from tests.support.sessions import add_session
 from tracetrain.config import TrainConfig
+from tracetrain.engines.probe import read_probe
 from tracetrain.store import leases, policy_lines, promotion, queries
 from tracetrain.store.db import open_db
 from tracetrain.store.models import DEFAULT_POLICY, AgentSession, Policy
-from tracetrain.trainer.local_backend import LocalBackend
 from tracetrain.trainer.batch import Batch
+from tracetrain.trainer.local_backend import LocalBackend
 from tracetrain.trainer.loop import POLICIES_DIR, Line, Trainer
 
 
@@ -82,7 +86,7 @@ def test_each_policy_trains_on_its_own_sessions_with_its_own_versions_and_settin
     assert backend.lines["support"][1].param_groups[0]["lr"] == 0.05, "the policy's own lr"
     assert backend.lines["coding.v2"][1].param_groups[0]["lr"] == 1e-3
     # One base model: every line's adapter is in one PEFT model, each with an optimizer over its own adapter.
-    assert set(backend.model.peft_config) == {"default", "support", "coding:v2"}
+    assert set(backend.model.peft_config) == {"default", "policy-support", "policy-coding:v2"}
     owned = {name: {id(p) for g in opt.param_groups for p in g["params"]} for name, (_, opt) in backend.lines.items()}
     assert all(not (owned[a] & owned[b]) for a in owned for b in owned if a != b)
 
@@ -105,6 +109,14 @@ def test_each_policy_trains_on_its_own_sessions_with_its_own_versions_and_settin
         adapter = root / POLICIES_DIR / name / "v000001"
         assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
         assert not (root / "v000001" / name).exists(), "the default line's checkpoint holds its own adapter only"
+        # The adapter on its own, on the base model, is what the trainer trained: its probe's logprobs.
+        probe = read_probe(adapter)
+        assert probe is not None
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_path)), str(adapter))
+        with torch.no_grad():
+            ids = torch.tensor([probe.token_ids])
+            logprobs = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert torch.allclose(logprobs, torch.tensor(probe.logprobs), atol=1e-4)
 
     # New sessions of one line step only that line; its staleness is counted in its own versions.
     _add(db_url, "support", "s2", 1, version=1)

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 def adapter_name(policy: str) -> str:
-    """The PEFT adapter of a named policy: its name, with ':' for '.' (a module name cannot hold a dot, and no
-    policy name holds a ':')."""
-    return policy.replace(".", ":")
+    """The PEFT adapter of a named policy: `policy-<name>` with ':' for '.' (a module name cannot hold a dot, and
+    no policy name holds a ':'); the prefix keeps a short name such as `a` from being part of `lora_`, which PEFT
+    warns may reinitialise the adapter's weights when loading. The default policy's is PEFT's `default`."""
+    return policy if policy == DEFAULT_POLICY else "policy-" + policy.replace(".", ":")
 
 
 class LocalBackend:

@@ -13,8 +13,9 @@ adapter on its own sessions, and the default policy, with no traffic, stays on i
 
 What does not hold yet, and is reported as an expected failure with the figures: the held-out shares moving
 apart by the margin. Named policies train LoRA adapters (the default line of test_learning_signal trains
-full weights), and on this 64-wide model LoRA under Adam either barely moves in these few versions (lr 1e-2)
-or, from about 1.5e-2 up, drifts into text that is no digits at all within a few versions, RL or SFT alike:
+full weights), and on this 64-wide model LoRA under Adam at lr 1e-2 moves only a little toward the rewarded
+digits in these few versions (and in one run of four drifted off digits altogether), while from about 1.5e-2
+up it drifts into text that is no digits at all within a few versions, RL or SFT alike:
 Adam moves every adapter weight by about the learning rate whatever its gradient, and the gradients here
 are tiny. It is LoRA's, not the policies': test_learning_signal's default line alone, trained as a LoRA
 adapter at lr 1e-2 instead of full weights, did not learn either (held-out 0.551 before, 0.541 after 6

@@ -122,7 +122,7 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = 3
     """Older checkpoint directories are deleted (their store rows stay)."""
     max_steps: int | None = None
-    """Stop after this many steps (None: run until stopped)."""
+    """Stop after this many steps, every named policy's counted (None: run until stopped)."""
     publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
     """How new weights reach the engine: vLLM LoRA load, vLLM in-place reload, in-process swap.
     `reload` with `lora: true` merges each adapter into the base weights and serves those. `auto`:
@@ -745,6 +745,16 @@ class Config(BaseSettings):
                              f"{len(declared) + 1} LoRA adapters, more than engine.max_loras "
                              f"({self.engine.max_loras}) lets vLLM serve at once. Raise engine.max_loras or "
                              "declare fewer policies")
+        if declared and self.train.uses_fsdp:
+            raise ValueError("gateway.policies with train.backend: fsdp: the fsdp backend trains the default "
+                             "policy's line only, so the named policies would never learn. Use train.backend: local "
+                             "(one process, one base model with an adapter and an optimizer per policy)")
+        if declared and not self.train.lora:
+            raise ValueError("gateway.policies with train.lora: false: the default policy would train the base "
+                             "model's full weights, which every named policy's adapter sits on. Use train.lora: true")
+        if declared and self.train.publish == "reload":
+            raise ValueError("gateway.policies with train.publish: reload: merged full weights would put the default "
+                             "policy's adapter under every named policy's. Use train.publish: lora (or auto)")
         for policy in self.gateway.policy_by_key().values():
             if policy != DEFAULT_POLICY and policy not in declared:
                 raise ValueError(f"gateway.api_keys: a key is bound to policy {policy!r}, which "
@@ -789,6 +799,8 @@ class Config(BaseSettings):
         if not self.train.lora:
             return "reload"
         if self.gateway.workers > 1 or (self.promotion.mode == "canary" and self.engine.servers == 1):
+            return "lora"
+        if self.gateway.policies:  # each policy's line is its own adapter, on the base model
             return "lora"
         return "reload" if self.train.publishes_merged() else "lora"
 

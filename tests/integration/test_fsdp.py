@@ -151,7 +151,7 @@ def test_the_loop_trains_checkpoints_and_resumes_through_fsdp(local_ray: None, t
     written = {p.name for p in (tmp_path / "ckpt" / "v000001").iterdir()}
     assert {"model.safetensors", checkpoint.SHARDED_DIR, checkpoint.STATE_FILE} <= written
     with Session(db) as s:
-        policy = s.get(Policy, 1)
+        policy = s.get(Policy, ("default", 1))
         assert policy is not None and policy.metrics["workers"] == 2 and policy.metrics["samples"] == 8
         assert [m["peak_bytes"] > 0 for m in policy.metrics["memory"]] == [True, True]
 

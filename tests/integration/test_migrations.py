@@ -16,11 +16,11 @@ from sqlalchemy import inspect
 from sqlmodel import Session, select
 
 from tracetrain.config import TrainConfig
-from tracetrain.store import audit, policy_lines, queries, schema
+from tracetrain.store import audit, leases, policy_lines, queries, schema
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.messages import call_messages
-from tracetrain.store.models import AgentSession, utcnow
+from tracetrain.store.models import AgentSession, Policy, utcnow
 from tracetrain.store.trajectory import session_trajectories
 from tracetrain.trainer.loop import Trainer
 
@@ -144,3 +144,37 @@ def test_a_0011_store_upgrades_with_every_session_in_the_default_policy(db_url: 
     schema.upgrade(db)
     with Session(db) as s:
         assert queries.all_session_ids(s, policy="default") == ["old-a", "old-b"]
+
+
+def test_a_0012_store_upgrades_with_every_version_in_the_default_line(db_url: str) -> None:
+    """A store built at 0012, before versions per named policy, holding versions: 0013 keys them by (line,
+    version), each in the default line, so a named line can number its own from 0; back down to 0012 keeps the
+    default line's and drops the others."""
+    db = connect_db(db_url)
+    with db.begin() as connection:
+        command.upgrade(schema._config(connection), "0012")
+        for version, kind in ((0, "base"), (1, "lora")):
+            connection.exec_driver_sql(
+                "INSERT INTO policies (version, created_at, kind, metrics, promotion) "
+                f"VALUES ({version}, '2026-01-01 00:00:00', '{kind}', '{{}}', 'immediate')")
+    with pytest.raises(schema.StoreOutOfDate, match="tracetrain db upgrade"):
+        open_db(db_url)
+    assert schema.upgrade(db) == ("0012", schema.head())
+    with Session(open_db(db_url)) as s:
+        assert [(p.line, p.version, p.kind) for p in queries.list_policies(s)] == [
+            ("default", 0, "base"), ("default", 1, "lora")]
+        latest = leases.latest_policy(s)
+        assert latest is not None and latest.version == 1
+        s.add(Policy(line="support", version=1, kind="lora"))  # the same number, another line
+        s.commit()
+        assert leases.latest_policy(s, line="support") is not None
+    with db.connect() as connection:
+        assert inspect(connection).get_pk_constraint("policies")["constrained_columns"] == ["line", "version"]
+    with db.begin() as connection:
+        command.downgrade(schema._config(connection), "0012")
+    with db.connect() as connection:
+        assert "line" not in {c["name"] for c in inspect(connection).get_columns("policies")}
+        assert connection.exec_driver_sql("SELECT version FROM policies ORDER BY version").all() == [(0,), (1,)]
+    schema.upgrade(db)
+    with Session(db) as s:
+        assert [(p.line, p.version) for p in queries.list_policies(s)] == [("default", 0), ("default", 1)]

@@ -78,7 +78,7 @@ def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_p
     assert trainer.counts["stale"] == 1 and trainer.counts["zero_variance"] == 2 and trainer.counts["samples"] == 2
     with Session(db) as s:
         rows = {row.id: (row.trained_version, row.skip_reason) for row in s.exec(select(AgentSession)).all()}
-        policy = s.get(Policy, 4)
+        policy = s.get(Policy, ("default", 4))
     # set aside, not consumed: still in the store for offline algorithms and export
     assert rows == {"old": (None, "stale"), "flat-1": (None, "zero_variance"), "flat-2": (None, "zero_variance"),
                     "good-1": (4, None), "good-2": (4, None)}

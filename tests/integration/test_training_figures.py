@@ -63,7 +63,7 @@ def test_a_version_records_its_advantage_spread(tiny_model_path: Path, tmp_path:
     finally:
         trainer.close()
     with Session(db) as s:
-        figures = s.get(Policy, 1).metrics  # type: ignore[union-attr]
+        figures = s.get(Policy, ("default", 1)).metrics  # type: ignore[union-attr]
     # RLOO: each reward against the mean of the other three: 1 - 2/3 (three times) and 0 - 1
     expected = statistics.pstdev([1 / 3, -1.0, 1 / 3, 1 / 3])
     assert figures["advantage_std"] == pytest.approx(expected, rel=1e-5)

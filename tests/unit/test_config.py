@@ -316,3 +316,20 @@ def test_policies_up_to_the_adapter_limit_load_and_the_api_shares_the_check() ->
     # Settings are checked on top of the config's trainer: min_sessions 16 fits a batch of 32, not one of 8.
     assert policy_problem("a", "lora", {"min_sessions": 16}) is None
     assert "min_sessions" in (policy_problem("a", "lora", {"min_sessions": 16}, TrainConfig(batch_sessions=8)) or "")
+
+
+@pytest.mark.parametrize(("train", "words"), [
+    ({"backend": "fsdp"}, r"train\.backend: fsdp: the fsdp backend trains the default policy's line only"),
+    ({"workers": 2}, r"train\.backend: fsdp"),
+    ({"lora": False}, r"train\.lora: false: the default policy would train the base model's full weights"),
+    ({"publish": "reload"}, r"train\.publish: reload: merged full weights"),
+])
+def test_named_policies_need_one_local_lora_trainer(train: dict[str, Any], words: str) -> None:
+    """Each policy trains an adapter of one base model in one process: what cannot do that is refused at load."""
+    with pytest.raises(ValidationError, match=words):
+        load_config(gateway={"policies": [{"name": "a"}]}, train=train)
+    load_config(train=train)  # without named policies, each is fine
+
+
+def test_named_policies_publish_adapters_to_vllm() -> None:
+    assert load_config(gateway={"policies": [{"name": "a"}]}, engine={"kind": "vllm"}).publish_mode() == "lora"

@@ -220,3 +220,33 @@ async def test_swap_waits_for_the_running_generation(tiny_model_path, prompt):
     await swap
     assert engine.version == 7 and merged(await collect(engine, prompt, params))[0] != before[0]
     await engine.close()
+
+
+async def test_each_named_policy_is_served_by_its_own_line(tiny_model_path, prompt):
+    """A named policy's requests get its newest version's weights, or the base model before its first; the
+    default line and the other policies keep theirs, whichever order requests come in."""
+    engine = TransformersEngine(tiny_model_path, threads=1)
+
+    async def served(line: str | None) -> tuple[list[float], int | None]:
+        deltas = await collect(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0, line=line))
+        return merged(deltas)[1], deltas[-1].version
+
+    base, _ = await served(None)
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    torch.manual_seed(0)
+    default_v1 = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items() if "layers.1." in k}
+    support_v3 = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items() if "layers.0." in k}
+    await engine.swap_weights(default_v1, version=1)
+    default, version = await served(None)
+    assert version == 1 and default != base
+    assert await served("support") == (base, 0), "no version of its own yet: the base model, version 0"
+    await engine.hold_line("support", support_v3, 3)
+    assert engine.line_versions() == {"support": 3} and engine.version == 1
+    support, version = await served("support")
+    assert version == 3 and support not in (base, default)
+    assert await served(None) == (default, 1), "the default line is unchanged"
+    assert await served("coding") == (base, 0)
+    assert await served("support") == (support, 3)
+    await engine.swap_weights(original, version=2)  # a default publish while a named line's weights are loaded
+    assert await served(None) == (base, 2) and await served("support") == (support, 3)
+    await engine.close()

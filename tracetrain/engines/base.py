@@ -71,6 +71,9 @@ class SamplingParams:
     version: int | None = None
     """Serve these weights if the engine holds them (canary promotion keeps a session on the version
     it started with); otherwise, and when None, the engine's current version."""
+    line: str | None = None
+    """The named policy whose line serves it: that line's newest published version, its base model until
+    then (docs/architecture.md, decision 13). None: the default line."""
 
 
 @dataclass

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from tracetrain.config import DEFAULT_POLICY
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -28,6 +30,8 @@ class Checkpoint:
     version: int
     path: Path
     kind: Literal["full", "lora"]
+    line: str = DEFAULT_POLICY
+    """The named policy whose line it continues; a named policy's versions are LoRA adapters on the base model."""
 
 
 class PublishError(Exception):
@@ -36,6 +40,23 @@ class PublishError(Exception):
 
 class Publisher(Protocol):
     async def publish(self, checkpoint: Checkpoint) -> None: ...
+
+
+class LinePublisher(Protocol):
+    """A publisher that serves named policies' lines too (docs/architecture.md, decision 13): `publish_line`
+    makes a named line's version serve the requests for that line (`SamplingParams.line`), leaving every
+    other line as it was."""
+
+    async def publish_line(self, checkpoint: Checkpoint) -> None: ...
+
+
+def line_version(engine: Any, line: str) -> int:
+    """The version of `line` an engine serves: 0 (its base model) until one is published, and the default
+    line's for an engine that serves no named lines."""
+    if line == DEFAULT_POLICY:
+        return int(engine.version)
+    versions = getattr(engine, "line_versions", None)
+    return int(versions().get(line, 0)) if versions is not None else 0
 
 
 class CanaryPublisher(Protocol):

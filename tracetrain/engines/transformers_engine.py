@@ -80,6 +80,13 @@ class TransformersEngine:
         """The version whose weights are in `model` now (the served one, or a canary a request asked for)."""
         self._held: dict[int, dict[str, torch.Tensor]] = {}
         """Full weights of versions held for canary promotion, by version."""
+        self._lines: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        """Named policies' newest versions, full weights each (their adapter merged into the base model)."""
+        self._line_loaded: tuple[str, int] | None = None
+        """The named line (and version) whose weights are in `model` now; None: the default line's."""
+        self._base: dict[str, torch.Tensor] | None = None
+        """The base model's weights, for named lines with no version yet (read from disk when first needed)."""
+        self._dtype = dtype
         self._closed = False
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -128,6 +135,7 @@ class TransformersEngine:
     # --- worker thread ---------------------------------------------------------------------------
 
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._back_to_default()
         if self._loaded != self.version:  # a canary's weights are in the model: start from the served ones
             self._load(self._held[self.version])
         self._load(state_dict)
@@ -161,6 +169,7 @@ class TransformersEngine:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._serve, version)
 
     def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._back_to_default()
         current = self.model.state_dict()
         bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
         if bad:
@@ -170,14 +179,57 @@ class TransformersEngine:
         self._held[version] = {**self._held[self._loaded], **state_dict}
 
     def _serve(self, version: int) -> None:
+        self._back_to_default()
         if version != self._loaded:
             self._load(self._held[version])
         previous, self.version, self._loaded = self.version, version, version
         # Sessions that started on the previous version keep it; older ones are let go.
         self._held = {v: w for v, w in self._held.items() if v in (version, previous)}
 
-    def _use(self, version: int | None) -> int:
+    # --- named policies: each line's newest version, switched per request --------------------------
+
+    async def hold_line(self, line: str, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Serve `version` of named policy `line` to the requests for that line (`SamplingParams.line`); the
+        model switches between lines per request on the worker thread (a full copy of the weights each, as
+        for a canary: fine for the small models this engine is for)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._hold_line, line, state_dict, version)
+
+    def line_versions(self) -> dict[str, int]:
+        return {line: version for line, (version, _) in self._lines.items()}
+
+    def _hold_line(self, line: str, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        current = self.model.state_dict()
+        bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
+        if bad:
+            raise ValueError(f"unknown parameters or wrong shapes: {bad[:5]}")
+        self._lines[line] = (version, {**self._base_weights(), **state_dict})
+
+    def _base_weights(self) -> dict[str, torch.Tensor]:
+        if self._base is None:
+            base = AutoModelForCausalLM.from_pretrained(str(self.model.name_or_path), dtype=self._dtype)
+            self._base = {k: v.detach().to(self.device) for k, v in base.state_dict().items()}
+        return self._base
+
+    def _back_to_default(self) -> None:
+        """Put the default line's weights back in the model if a named line's are in it (worker thread)."""
+        if self._line_loaded is not None:
+            self._load(self._held[self._loaded])
+            self._line_loaded = None
+
+    def _use_line(self, line: str) -> int:
+        version, weights = self._lines.get(line) or (0, self._base_weights())
+        if self._line_loaded != (line, version):
+            if self._line_loaded is None and self._loaded not in self._held:  # to come back to
+                self._held[self._loaded] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._load(weights)
+            self._line_loaded = (line, version)
+        return version
+
+    def _use(self, version: int | None, line: str | None = None) -> int:
         """The version this request runs on, loaded (worker thread)."""
+        if line is not None:
+            return self._use_line(line)
+        self._back_to_default()
         wanted = version if version is not None and version in self._held else self.version
         if wanted != self._loaded:
             self._load(self._held[wanted])
@@ -227,7 +279,8 @@ class TransformersEngine:
         hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
         detok = IncrementalText(self.tokenizer)
         sent = 0  # chars of detok.text already emitted
-        version = self._use(params.version)  # swaps run on this same worker thread, so not during this loop
+        # swaps run on this same worker thread, so not during this loop
+        version = self._use(params.version, params.line)
 
         input_ids = torch.tensor([prompt], device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)

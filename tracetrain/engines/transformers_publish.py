@@ -39,6 +39,13 @@ class InProcessPublisher:
     async def publish(self, checkpoint: Checkpoint) -> None:
         await self._hand_over(checkpoint, self.engine.swap_weights, "serving")
 
+    async def publish_line(self, checkpoint: Checkpoint) -> None:
+        """A named policy's version: its adapter merged into the base weights, served to that policy's requests."""
+        async def apply(state_dict: dict[str, torch.Tensor], version: int) -> None:
+            await self.engine.hold_line(checkpoint.line, state_dict, version)
+
+        await self._hand_over(checkpoint, apply, f"serving policy {checkpoint.line!r}")
+
     # --- canary promotion -------------------------------------------------------------------------
 
     async def stage(self, checkpoint: Checkpoint) -> None:

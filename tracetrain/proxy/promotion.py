@@ -125,7 +125,7 @@ class Promotion:
         def read(db: Session) -> tuple[Policy | None, Policy | None, Policy | None]:
             trial = self.trial
             return (store.incumbent(db), store.canary(db),
-                    db.get(Policy, trial.checkpoint.version) if trial is not None else None)
+                    store.version_row(db, version=trial.checkpoint.version) if trial is not None else None)
 
         incumbent, canary, ours = await self._read(read)
         async with self._lock:

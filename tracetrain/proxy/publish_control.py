@@ -3,6 +3,10 @@ processes, agree full-weight reloads with them, and hand versions to the canary 
 
 One lock orders every change of the served version in this process; the store records each published
 version (store/promotion.py), through the store writer like every other write.
+
+A named policy's version (`Checkpoint.line`) is published at once as that policy's adapter, next to the
+other lines (docs/architecture.md, decision 13): canary promotion and the following of versions published
+through other gateway processes are the default line's only.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import logging
 from pathlib import Path
 from typing import Any, cast
 
+from tracetrain.config import DEFAULT_POLICY
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, LinePublisher, Publisher, line_version
 from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
@@ -41,8 +46,8 @@ class PublishController:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._notes: set[asyncio.Task[Any]] = set()
-        self._newest_served = -1
-        """The newest version this process has recorded a call of (see `note_served`)."""
+        self._newest_served: dict[str, int] = {}
+        """The newest version of each line this process has recorded a call of (see `note_served`)."""
 
     async def start(self) -> None:
         await self._start_replica_sync()
@@ -63,6 +68,9 @@ class PublishController:
         if self.publisher is None:
             raise APIError(409, "This gateway has no publisher configured (start it with --train or set "
                            "train.publish).", code="no_publisher")
+        if checkpoint.line != DEFAULT_POLICY:
+            await self._publish_line(checkpoint)
+            return
         async with self._lock:
             if checkpoint.version <= self.engine.version:
                 raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
@@ -79,15 +87,37 @@ class PublishController:
                     await self._writer.submit(lambda db: versions.record_probes(db, version=checkpoint.version,
                                                                                probes=probes))
 
-    def note_served(self, version: int) -> None:
-        """A call of `version` was recorded: the first one of a version newer than any this process served
-        dates the version's first call (`Policy.first_call_at`; a no-op if another process got there first)."""
-        if version <= self._newest_served:
+    async def _publish_line(self, checkpoint: Checkpoint) -> None:
+        """A named policy's version, served at once to that policy's requests."""
+        publish_line = getattr(self.publisher, "publish_line", None)
+        if publish_line is None:
+            raise APIError(409, f"This gateway's publisher cannot serve named policies' adapters (policy "
+                           f"'{checkpoint.line}'); use the transformers engine.", code="no_publisher")
+        if checkpoint.kind != "lora":
+            raise APIError(409, f"Policy '{checkpoint.line}' is a line of LoRA adapters; got a {checkpoint.kind} "
+                           "checkpoint.", code="stale_version")
+        async with self._lock:
+            served = line_version(self.engine, checkpoint.line)
+            if checkpoint.version <= served:
+                raise APIError(409, f"Version {checkpoint.version} of policy '{checkpoint.line}' is not newer than "
+                               f"its served version {served}.", code="stale_version")
+            if self._engine_sleep is not None:
+                await self._engine_sleep.wake()
+            await cast(LinePublisher, self.publisher).publish_line(checkpoint)
+        await self._writer.submit(lambda db: versions.mark_published(
+            db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="immediate",
+            line=checkpoint.line))
+
+    def note_served(self, version: int, line: str = DEFAULT_POLICY) -> None:
+        """A call of `line`'s `version` was recorded: the first one of a version newer than any this process
+        served dates the version's first call (`Policy.first_call_at`; a no-op if another process got there
+        first)."""
+        if version <= self._newest_served.get(line, -1):
             return
-        self._newest_served = version
+        self._newest_served[line] = version
         at = utcnow()
-        task = asyncio.create_task(self._writer.submit(lambda db: versions.record_first_call(db, version=version,
-                                                                                            at=at)))
+        task = asyncio.create_task(self._writer.submit(lambda db: versions.record_first_call(
+            db, version=version, at=at, line=line)))
         self._notes.add(task)
         task.add_done_callback(self._notes.discard)
 

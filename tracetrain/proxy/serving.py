@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tracetrain.engines.base import Affinity, EngineError, SamplingParams
+from tracetrain.engines.publishing import line_version
 from tracetrain.proxy.auth import Caller
 from tracetrain.proxy.binding import Binding, header_value, prompt_group
 from tracetrain.proxy.chain import ChainNode, PromptPlan, plan_prompt
@@ -191,10 +192,12 @@ async def prepare(gw: Gateway, spec: CallSpec, *, caller: Caller) -> Turn:
     forced = spec.constraint.forced_prefix if spec.constraint else ""
     if forced:
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
+    # Canary promotion is the default line's: a named policy's sessions get its newest version.
     pinned = gw.canary.version_for(new=stored is None, key=spec.binding.group_id or session_id,
-                                      pinned=stored.version if stored else None)
+                                      pinned=stored.version if stored else None) if policy == DEFAULT_POLICY else None
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None, policy=policy,
-                owner=stored.owner if stored else owner, plan=plan, parent=parent, version=gw.engine.version,
+                owner=stored.owner if stored else owner, plan=plan, parent=parent,
+                version=line_version(gw.engine, policy),
                 started=time.perf_counter(), choices=[Choice(i, forced_prefix=forced) for i in range(spec.n)],
                 pinned=pinned, redaction=redaction, retried=retried)
 
@@ -212,8 +215,10 @@ def plan_tokens(prompt_ids: list[int], latest: ChainNode | None) -> PromptPlan:
 async def generate(gw: Gateway, turn: Turn, choice: Choice, on_delta: Callable[[], None] | None = None) -> None:
     """Sample one choice into `choice`, calling `on_delta` after each piece."""
     await gw.holds.wait()
-    turn.version = gw.engine.version
+    turn.version = line_version(gw.engine, turn.policy)
     params = turn.spec.params
+    if turn.policy != DEFAULT_POLICY:  # its own line's adapter, or the base model before its first version
+        params = replace(params, line=turn.policy)
     if params.seed is not None and choice.index:
         params = replace(params, seed=params.seed + choice.index)
     if turn.pinned is not None:
@@ -346,7 +351,7 @@ async def record(gw: Gateway, turn: Turn, replies: list[dict[str, Any]]) -> None
     if retried is not None:
         gw.sessions.forget_calls(turn.session_id, retried.state_hashes)
     gw.sessions.delivered(turn.session_id, spec.completion_id)
-    gw.publishing.note_served(max(row["policy_version"] for row in rows))
+    gw.publishing.note_served(max(row["policy_version"] for row in rows), turn.policy)
     if turn.new_session:
         gw.sessions.new(turn.session_id, turn.owner, turn.group_id, rows[0]["policy_version"], turn.policy)
         gw.metrics.sessions.inc()

@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, create_engine, select
+from sqlmodel import Session, create_engine
 
 from tracetrain.store import schema
-from tracetrain.store.models import Policy
+from tracetrain.store.models import DEFAULT_POLICY, Policy
 
 
 def open_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
@@ -22,7 +22,7 @@ def open_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
     db = connect_db(url, sqlite_synchronous=sqlite_synchronous)
     schema.ensure_current(db)
     with Session(db) as s:
-        if s.exec(select(Policy).where(Policy.version == 0)).first() is None:
+        if s.get(Policy, (DEFAULT_POLICY, 0)) is None:
             s.add(Policy(version=0))
             s.commit()
     return db

@@ -22,7 +22,7 @@ from sqlalchemy import and_, case, exists, false, or_, update
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, func, select
 
-from tracetrain.store.models import NO_TRAIN_REASONS, AgentSession, Call, Policy, utcnow
+from tracetrain.store.models import DEFAULT_POLICY, NO_TRAIN_REASONS, AgentSession, Call, Policy, utcnow
 
 
 def _unused(*, include_set_aside: bool = False) -> ColumnElement[bool]:
@@ -47,12 +47,13 @@ class ReadySession:
 
 
 def ready_sessions(db: Session, *, min_version: int | None = None, include_set_aside: bool = False,
-                   ) -> list[ReadySession]:
-    """Unleased ready sessions (with their oldest policy version), at or above `min_version` if given;
-    with `include_set_aside`, also those the online trainer set aside (for SFT and DPO)."""
+                   policy: str = DEFAULT_POLICY) -> list[ReadySession]:
+    """Unleased ready sessions of named policy `policy` (with their oldest policy version, in that policy's
+    numbering), at or above `min_version` if given; with `include_set_aside`, also those the online trainer set
+    aside (for SFT and DPO)."""
     oldest = select(func.min(Call.policy_version)).where(Call.session_id == AgentSession.id).scalar_subquery()
     query = select(AgentSession.id, AgentSession.group_id, oldest, AgentSession.updated_at).where(
-        _unused(include_set_aside=include_set_aside), _lease_free(utcnow()))
+        AgentSession.policy == policy, _unused(include_set_aside=include_set_aside), _lease_free(utcnow()))
     if min_version is not None:
         query = query.where(oldest >= min_version)
     return [ReadySession(i, g, int(v or 0), _aware(t)) for i, g, v, t in db.exec(query).all()]
@@ -95,9 +96,10 @@ def pick_groups(sessions: Sequence[ReadySession], *, busy: set[str], settled_bef
 
 
 def claim_groups(db: Session, *, trainer_id: str, want: int, lease_s: float, min_version: int | None,
-                 settle_s: float, include_set_aside: bool = False) -> list[str]:
-    """Lease whole ready groups, freshest first, about `want` sessions; returns the ids this trainer got."""
-    sessions = ready_sessions(db, min_version=min_version, include_set_aside=include_set_aside)
+                 settle_s: float, include_set_aside: bool = False, policy: str = DEFAULT_POLICY) -> list[str]:
+    """Lease whole ready groups of named policy `policy`, freshest first, about `want` sessions; returns the
+    ids this trainer got."""
+    sessions = ready_sessions(db, min_version=min_version, include_set_aside=include_set_aside, policy=policy)
     if not sessions:
         return []
     since = utcnow() - timedelta(seconds=settle_s)
@@ -131,11 +133,13 @@ def _lease(db: Session, *, trainer_id: str, session_ids: list[str], lease_s: flo
     return list(db.exec(mine).all())
 
 
-def set_aside_stale(db: Session, *, min_version: int) -> int:
-    """Set aside every unleased ready session with a call older than `min_version`; returns how many.
-    Versions only grow, so a stale session can never become usable by the online trainer again."""
+def set_aside_stale(db: Session, *, min_version: int, policy: str = DEFAULT_POLICY) -> int:
+    """Set aside every unleased ready session of named policy `policy` with a call older than `min_version` (a
+    version of that policy's line); returns how many. Versions only grow, so a stale session can never become
+    usable by the online trainer again."""
     older = exists().where(col(Call.session_id) == col(AgentSession.id), col(Call.policy_version) < min_version)
-    result = db.execute(update(AgentSession).where(_unused(), _lease_free(utcnow()), older)
+    result = db.execute(update(AgentSession).where(col(AgentSession.policy) == policy, _unused(), _lease_free(utcnow()),
+                                                   older)
                         .values(skip_reason="stale").execution_options(synchronize_session=False))
     db.commit()
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
@@ -184,30 +188,46 @@ def is_set_aside() -> ColumnElement[bool]:
                     col(AgentSession.purged).is_not(None)))
 
 
-def set_aside_counts(db: Session) -> dict[str, int]:
-    """Sessions left unconsumed in the store, by `set_aside_reason`."""
+def set_aside_counts(db: Session, *, policy: str | None = None) -> dict[str, int]:
+    """Sessions left unconsumed in the store (of named policy `policy`; None: of every policy), by
+    `set_aside_reason`."""
     reason = set_aside_reason()
     query = select(reason, func.count()).where(is_set_aside()).group_by(reason)
+    if policy is not None:
+        query = query.where(AgentSession.policy == policy)
     return {str(why): int(n) for why, n in db.exec(query).all()}
 
 
-def latest_policy(db: Session) -> Policy | None:
-    return db.exec(select(Policy).order_by(col(Policy.version).desc()).limit(1)).first()
+def latest_policy(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
+    """`line`'s newest version (None: it has none recorded, so its version 0, the base model)."""
+    return db.exec(select(Policy).where(Policy.line == line).order_by(col(Policy.version).desc()).limit(1)).first()
 
 
-def recent_policy_times(db: Session, *, limit: int) -> list[datetime]:
-    """Creation times of the latest `limit` versions, newest first (the trainer's step rate)."""
-    query = select(Policy.created_at).where(Policy.version > 0).order_by(col(Policy.version).desc()).limit(limit)
+def recent_policy_times(db: Session, *, limit: int, line: str = DEFAULT_POLICY) -> list[datetime]:
+    """Creation times of `line`'s latest `limit` versions, newest first (the trainer's step rate)."""
+    query = select(Policy.created_at).where(Policy.line == line, Policy.version > 0).order_by(
+        col(Policy.version).desc()).limit(limit)
     return list(db.exec(query).all())
 
 
-def ready_count(db: Session) -> int:
-    """Ready sessions no trainer has claimed yet."""
+def ready_count(db: Session, *, policy: str | None = None) -> int:
+    """Ready sessions no trainer has claimed yet (of named policy `policy`; None: of every policy)."""
     query = select(func.count()).select_from(AgentSession).where(_unused(), _lease_free(utcnow()))
+    if policy is not None:
+        query = query.where(AgentSession.policy == policy)
     return int(db.exec(query).one())
 
 
-def leased_count(db: Session) -> int:
+def ready_counts(db: Session) -> dict[str, int]:
+    """Ready unclaimed sessions by named policy (policies with none are left out): the trainer's scheduler."""
+    query = select(AgentSession.policy, func.count()).where(_unused(), _lease_free(utcnow())).group_by(
+        AgentSession.policy)
+    return {str(policy): int(n) for policy, n in db.exec(query).all()}
+
+
+def leased_count(db: Session, *, policy: str | None = None) -> int:
     """Ready sessions a trainer has claimed for a step that has not finished (its lease still runs)."""
     query = select(func.count()).select_from(AgentSession).where(_unused(), col(AgentSession.lease_until) >= utcnow())
+    if policy is not None:
+        query = query.where(AgentSession.policy == policy)
     return int(db.exec(query).one())

@@ -173,7 +173,11 @@ class RewardPublic(RewardBase):
 
 
 class Policy(SQLModel, table=True):
+    """One version of one policy line: key (line, version), each line numbering its own from 0, the base model."""
+
     __tablename__ = "policies"
+    line: str = Field(default=DEFAULT_POLICY, primary_key=True, max_length=64)
+    """The named policy (`policy_lines.name`) whose line this version continues."""
     version: int = Field(primary_key=True)
     created_at: datetime = Field(default_factory=utcnow)
     checkpoint: str | None = Field(default=None, max_length=1024)
@@ -203,7 +207,7 @@ class Policy(SQLModel, table=True):
 class PolicyLineBase(SQLModel):
     """A named policy: one line of LoRA versions on the shared base model, with its own sessions and training
     settings (docs/architecture.md, decision 13). Not to be confused with `Policy`, whose rows are the
-    *versions* a trainer published (today all of the default line)."""
+    *versions* a trainer published, each of one line (`Policy.line`)."""
 
     name: str = Field(primary_key=True, max_length=64)
     training: str = Field(default="lora", max_length=16)

@@ -2,6 +2,7 @@
 
 A published version is `immediate` (everyone gets it at once) or, under canary promotion, a `canary`
 until it is `promoted` or `rolled_back`. The incumbent is the newest `immediate` or `promoted` one.
+Canary promotion is the default line's: a named policy's versions are published `immediate` (decision 13).
 
 A rolled-back version's sessions are not trained on: they are set aside with the reason `rolled_back`
 (kept in the store, counted by `GET /v1/policies`, exported like any other), because they sample a
@@ -17,33 +18,40 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, false, select
 
-from tracetrain.store.models import AgentSession, Policy, utcnow
+from tracetrain.store.models import DEFAULT_POLICY, AgentSession, Policy, utcnow
 
 SERVING = ("immediate", "promoted")
 ROLLED_BACK = "rolled_back"
 
 
-def incumbent(db: Session) -> Policy | None:
-    """The newest version served to everyone (None: the base model)."""
-    query = select(Policy).where(col(Policy.promotion).in_(SERVING)).order_by(col(Policy.version).desc())
+def incumbent(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
+    """`line`'s newest version served to everyone (None: the base model)."""
+    query = select(Policy).where(Policy.line == line, col(Policy.promotion).in_(SERVING)).order_by(
+        col(Policy.version).desc())
     return db.exec(query.limit(1)).first()
 
 
 def canary(db: Session) -> Policy | None:
     """The version on trial, if any (the newest, should two have been staged)."""
-    query = select(Policy).where(Policy.promotion == "canary").order_by(col(Policy.version).desc())
+    query = select(Policy).where(Policy.line == DEFAULT_POLICY, Policy.promotion == "canary").order_by(
+        col(Policy.version).desc())
     return db.exec(query.limit(1)).first()
 
 
-def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str) -> datetime | None:
+def version_row(db: Session, *, line: str = DEFAULT_POLICY, version: int) -> Policy | None:
+    return db.get(Policy, (line, version))
+
+
+def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str,
+                   line: str = DEFAULT_POLICY) -> datetime | None:
     """Record that `version` now serves as `immediate` or `canary`; returns a canary's start. A canary needs
     a row for its decision, made here if the trainer made none; an immediate version is recorded by its
     trainer."""
-    policy = db.get(Policy, version)
+    policy = version_row(db, line=line, version=version)
     if policy is None:
         if promotion != "canary":
             return None
-        policy = Policy(version=version, checkpoint=str(checkpoint), kind=kind)
+        policy = Policy(line=line, version=version, checkpoint=str(checkpoint), kind=kind)
     policy.promotion = promotion
     policy.published_at = policy.published_at or utcnow()
     if promotion == "canary":
@@ -53,24 +61,26 @@ def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, pr
     return policy.canary_since
 
 
-def record_probes(db: Session, *, version: int, probes: dict[str, Any]) -> None:
+def record_probes(db: Session, *, version: int, probes: dict[str, Any], line: str = DEFAULT_POLICY) -> None:
     """Add the publish probe's figures by replica to `version`'s row (engines/probe.py)."""
-    policy = db.get(Policy, version)
+    policy = version_row(db, line=line, version=version)
     if policy is not None:
         policy.probes = {**(policy.probes or {}), **probes}
         db.add(policy)
 
 
-def record_first_call(db: Session, *, version: int, at: datetime) -> None:
+def record_first_call(db: Session, *, version: int, at: datetime, line: str = DEFAULT_POLICY) -> None:
     """`version` served its first call at `at`, unless an earlier one (another gateway process) is recorded."""
-    db.execute(update(Policy).where(col(Policy.version) == version, col(Policy.first_call_at).is_(None))
+    db.execute(update(Policy).where(col(Policy.line) == line, col(Policy.version) == version,
+                                    col(Policy.first_call_at).is_(None))
                .values(first_call_at=at))
 
 
 def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
     """Final rewards of the sessions that began on `version` at or after `since` (excluded ones left out)."""
     query = select(AgentSession.reward).where(
-        AgentSession.policy_version == version, col(AgentSession.created_at) >= since,
+        AgentSession.policy == DEFAULT_POLICY, AgentSession.policy_version == version,
+        col(AgentSession.created_at) >= since,
         AgentSession.status == "final", col(AgentSession.reward).is_not(None),
         col(AgentSession.excluded).is_(false()))
     return [float(r) for r in db.exec(query).all() if r is not None]
@@ -82,12 +92,14 @@ def decide(db: Session, *, version: int, outcome: str, decision: dict[str, Any])
     if outcome not in ("promoted", ROLLED_BACK):
         raise ValueError(f"unknown canary outcome {outcome!r}")
     decided = db.execute(
-        update(Policy).where(col(Policy.version) == version, col(Policy.promotion) == "canary")
+        update(Policy).where(col(Policy.line) == DEFAULT_POLICY, col(Policy.version) == version,
+                             col(Policy.promotion) == "canary")
         .values(promotion=outcome, decided_at=utcnow(), decision=decision)
         .execution_options(synchronize_session=False)).rowcount == 1  # type: ignore[attr-defined]
     if decided and outcome == ROLLED_BACK:
         db.execute(update(AgentSession).where(
-            col(AgentSession.policy_version) == version, col(AgentSession.trained_version).is_(None),
+            col(AgentSession.policy) == DEFAULT_POLICY, col(AgentSession.policy_version) == version,
+            col(AgentSession.trained_version).is_(None),
             col(AgentSession.skip_reason).is_(None)).values(skip_reason=ROLLED_BACK)
             .execution_options(synchronize_session=False))
     db.commit()

@@ -50,8 +50,9 @@ _CHAINED_CHILD = Prepared(core_select(_CALLS.c.id).where(
 _INSERT_CALLS = Prepared(insert(_CALLS), CALL_COLUMNS)
 _POLICIES: Table = Policy.__table__  # type: ignore[attr-defined]
 # FOR SHARE on PostgreSQL (SQLite renders nothing: the writer's IMMEDIATE transaction holds the file's lock).
-_PROMOTION_LOCKED = Prepared(core_select(_POLICIES.c.promotion).where(_POLICIES.c.version == bindparam("v"))
-                             .with_for_update(read=True))
+# Canary promotion is the default line's only.
+_PROMOTION_LOCKED = Prepared(core_select(_POLICIES.c.promotion).where(
+    _POLICIES.c.line == DEFAULT_POLICY, _POLICIES.c.version == bindparam("v")).with_for_update(read=True))
 _SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version,
                                        _SESSIONS.c.policy).where(_SESSIONS.c.id == bindparam("sid")))
 
@@ -135,14 +136,25 @@ def latest_call_id(db: Session, *, session_id: str) -> str | None:
     return db.exec(query.limit(1)).first()
 
 
-def latest_published(db: Session) -> Policy | None:
-    """The newest version a trainer published (to any gateway on this store)."""
-    query = select(Policy).where(col(Policy.published_at).is_not(None)).order_by(col(Policy.version).desc())
+def latest_published(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
+    """The newest version of `line` a trainer published (to any gateway on this store)."""
+    query = select(Policy).where(Policy.line == line, col(Policy.published_at).is_not(None)).order_by(
+        col(Policy.version).desc())
     return db.exec(query.limit(1)).first()
 
 
-def list_policies(db: Session) -> Sequence[Policy]:
-    return db.exec(select(Policy).order_by(col(Policy.version))).all()
+def latest_published_by_line(db: Session) -> dict[str, Policy]:
+    """Each line's newest published version (lines with none published are left out)."""
+    query = select(Policy).where(col(Policy.published_at).is_not(None)).order_by(col(Policy.version))
+    return {row.line: row for row in db.exec(query).all()}
+
+
+def list_policies(db: Session, *, line: str | None = None) -> Sequence[Policy]:
+    """Every line's versions (by line, then version), or only `line`'s."""
+    query = select(Policy).order_by(col(Policy.line), col(Policy.version))
+    if line is not None:
+        query = query.where(Policy.line == line)
+    return db.exec(query).all()
 
 
 def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | None,
@@ -171,6 +183,7 @@ def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | 
     session = None if new_session is None else session_row(**new_session, model=rows[0]["model"],
                                                           calls=len(rows), tokens=tokens)
     if session is not None and check_rollback and session["policy_version"] is not None and \
+            session["policy"] == DEFAULT_POLICY and \
             _PROMOTION_LOCKED.execute(conn, {"v": session["policy_version"]}).fetchone() == (ROLLED_BACK,):
         session["skip_reason"] = ROLLED_BACK
     if session is not None and redactions:

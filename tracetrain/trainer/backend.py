@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tracetrain.config import TrainConfig
 from tracetrain.trainer.data import Sample
@@ -41,6 +41,19 @@ class TrainerBackend(Protocol):
     def close(self) -> None:
         """Free the devices and processes (a no-op for `local`)."""
         ...
+
+
+@runtime_checkable
+class MultiLineBackend(Protocol):
+    """A backend that trains several named policies on one base model: an adapter and an optimizer each
+    (the local backend; docs/architecture.md, decision 13). `step`, `save` and `logprobs` act on the line
+    `use_line` chose last; the default policy's is there from the start."""
+
+    def add_line(self, name: str, cfg: TrainConfig, resume: Path | None) -> None:
+        """A named policy's adapter, from checkpoint `resume` or fresh, with its own optimizer and settings."""
+        ...
+
+    def use_line(self, name: str) -> None: ...
 
 
 def make_backend(cfg: TrainConfig, base_dir: Path, resume: Path | None) -> TrainerBackend:

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy.engine import Engine as DBEngine
 from sqlmodel import Session
 
-from tracetrain.config import TrainConfig
+from tracetrain.config import DEFAULT_POLICY, TrainConfig
 from tracetrain.store import leases
 from tracetrain.store.models import utcnow
 from tracetrain.trainer.algorithms.importance import staleness_floor
@@ -58,10 +58,12 @@ class Batch:
 
 
 class BatchGatherer:
-    def __init__(self, cfg: TrainConfig, db: DBEngine, trainer_id: str) -> None:
+    def __init__(self, cfg: TrainConfig, db: DBEngine, trainer_id: str, *, policy: str = DEFAULT_POLICY) -> None:
         self.cfg = cfg
         self.db = db
         self.trainer_id = trainer_id
+        self.policy = policy
+        """The named policy whose sessions it gathers: a batch never mixes policies."""
 
     def gather(self, version: int, stop: threading.Event | None = None) -> Batch | None:
         """A full batch (or, after `fill_timeout_s`, at least `min_sessions`), or None once `stop` is set.
@@ -98,11 +100,11 @@ class BatchGatherer:
         floor = staleness_floor(version, self.cfg.max_staleness) if rl else None
         with Session(self.db) as s:
             if floor is not None:
-                batch.set_aside["stale"] += leases.set_aside_stale(s, min_version=floor)
+                batch.set_aside["stale"] += leases.set_aside_stale(s, min_version=floor, policy=self.policy)
             claimed = leases.claim_groups(s, trainer_id=self.trainer_id, lease_s=self.cfg.lease_s,
                                           want=self.cfg.batch_sessions - len(batch.session_ids),
                                           min_version=floor, settle_s=self.cfg.group_settle_s,
-                                          include_set_aside=not rl)
+                                          include_set_aside=not rl, policy=self.policy)
             samples = load_samples(s, claimed, gamma=self.cfg.gamma)
         unusable: dict[str, set[str]] = {}
         if rl and self.cfg.advantage in GROUP_ESTIMATORS and self.cfg.flat_groups == "set_aside":

@@ -80,16 +80,28 @@ def _tokenizer(directory: str) -> Any:
 
 
 def save_weights(model: Any, path: Path, state_dict: dict[str, Any], cfg: TrainConfig, *,
-                 merged: bool) -> None:
+                 merged: bool, adapter: str | None = None) -> None:
     """The engine's files from a complete (gathered) state dict: the model or the adapter, and with
-    `merged` the adapter folded into the base weights."""
-    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+    `merged` the adapter folded into the base weights. With `adapter`, that adapter only (a model holding
+    several policies' adapters would write every one)."""
+    selected = {"selected_adapters": [adapter]} if adapter is not None else {}
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True, **selected)
     if merged:
         base = model.get_base_model()
         weights = merge_lora(state_dict, cfg.lora_alpha / cfg.lora_rank)
         if getattr(base.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
         base.save_pretrained(path / MERGED_DIR, state_dict=weights, safe_serialization=True)
+
+
+def save_adapter(model: Any, path: Path, adapter: str) -> None:
+    """A named policy's adapter as a plain PEFT adapter directory (`adapter_config.json` and its weights at the
+    top of `path`, as the default adapter's), loadable on the base model under any name."""
+    inner = path / adapter  # where PEFT writes an adapter not named `default`
+    model.save_pretrained(path, selected_adapters=[adapter], safe_serialization=True)
+    for file in inner.iterdir():
+        file.rename(path / file.name)
+    inner.rmdir()
 
 
 def merge_lora(state_dict: dict[str, Any], scale: float) -> dict[str, torch.Tensor]:

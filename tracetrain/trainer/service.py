@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from tracetrain.config import TrainConfig
+from tracetrain.config import DEFAULT_POLICY, TrainConfig
 from tracetrain.engines.publishing import Checkpoint
 
 if TYPE_CHECKING:
@@ -53,11 +53,15 @@ class TrainerThread:
             checkpoint = Checkpoint(version, path, kind)  # type: ignore[arg-type]
             asyncio.run_coroutine_threadsafe(self.publish_async(checkpoint), loop).result(timeout=600)
 
+        def publish_line(line: str, version: int, path: Path) -> None:
+            checkpoint = Checkpoint(version, path, "lora", line)
+            asyncio.run_coroutine_threadsafe(self.publish_async(checkpoint), loop).result(timeout=600)
+
         def hold(training: bool) -> None:
             loop.call_soon_threadsafe(self.hold, training)
 
         try:
-            trainer = Trainer(self.cfg, self.db, self.base_dir, publish=publish,
+            trainer = Trainer(self.cfg, self.db, self.base_dir, publish=publish, publish_line=publish_line,
                               hold=hold if self.cfg.mode == "sync" else None)
             trainer.run(self.stop_event)
         except BaseException as exc:
@@ -85,12 +89,16 @@ def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: 
     """`tracetrain train`: the trainer as its own process, handing checkpoints to the gateway over HTTP."""
     from tracetrain.trainer.loop import Trainer
 
-    def publish(version: int, path: Path, kind: str) -> None:
+    def publish(version: int, path: Path, kind: str, policy: str = DEFAULT_POLICY) -> None:
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         response = httpx.post(f"{gateway_url}/v1/policies", headers=headers, timeout=600,
-                              json={"version": version, "checkpoint": str(path.resolve()), "kind": kind})
+                              json={"version": version, "checkpoint": str(path.resolve()), "kind": kind,
+                                    "policy": policy})
         if response.status_code != 200:
             raise RuntimeError(f"gateway answered {response.status_code}: {response.text[:500]}")
+
+    def publish_line(line: str, version: int, path: Path) -> None:
+        publish(version, path, "lora", line)
 
     hold = None
     if cfg.mode == "sync":
@@ -99,7 +107,8 @@ def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: 
                              "while it steps")
         hold = remote_hold(gateway_url, admin_key, holder=f"trainer-{os.getpid()}", ttl_s=cfg.lease_s)
     stop = threading.Event()
-    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None, hold=hold)
+    trainer = Trainer(cfg, db, base_dir, publish=publish if gateway_url else None,
+                      publish_line=publish_line if gateway_url else None, hold=hold)
     try:
         trainer.run(stop)
     except KeyboardInterrupt:

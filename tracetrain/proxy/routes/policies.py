@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from tracetrain.config import POLICY_NAME_PATTERN, POLICY_TRAIN_SETTINGS, TrainConfig
 from tracetrain.engines.base import EngineError
-from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError
+from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishError, line_version
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError, refusal
 from tracetrain.proxy.gateway import Gateway, GatewayDep
@@ -36,6 +36,8 @@ class PublishRequest(RequestModel):
     checkpoint: str = Field(min_length=1)
     """Directory of the checkpoint, as the gateway's machine sees it."""
     kind: Literal["full", "lora"]
+    policy: str = Field(default=DEFAULT_POLICY, pattern=POLICY_NAME_PATTERN)
+    """The named policy whose line the version continues (a trainer in another process publishes each)."""
 
 
 class _SettingsModel(RequestModel):
@@ -95,21 +97,18 @@ def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
 
 @router.get("/v1/policies", responses=error_responses(404, described={404: "No such policy"}))
 async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> dict[str, Any]:
-    """The named policies (`policies`, only `policy`'s when asked) and the published versions (`data`). Versions
-    are the default policy's line until the trainer trains named ones: asked for another policy, `data` and
-    the session counts are empty."""
+    """The named policies (`policies`, only `policy`'s when asked) and the versions (`data`: every line's, each
+    row with its `line`, or only `policy`'s), with the sessions waiting for the trainer (all, or `policy`'s)."""
     only = await scoped_policy(gw.policies, caller, policy)
-    versions = only is None or only == DEFAULT_POLICY
 
     def read(db: Session) -> tuple[Sequence[PolicyLine], Sequence[Policy], int, int, dict[str, int]]:
-        lines = policy_lines.listed(db, name=only)
-        if not versions:
-            return lines, [], 0, 0, {}
-        return (lines, queries.list_policies(db), leases.ready_count(db), leases.leased_count(db),
-                leases.set_aside_counts(db))
+        return (policy_lines.listed(db, name=only), queries.list_policies(db, line=only),
+                leases.ready_count(db, policy=only), leases.leased_count(db, policy=only),
+                leases.set_aside_counts(db, policy=only))
 
     lines, rows, ready, leased, set_aside = await gw.read(read)
-    return {"object": "list", "served_version": gw.engine.version,
+    served = {line.name: line_version(gw.engine, line.name) for line in lines}
+    return {"object": "list", "served_version": gw.engine.version, "served_versions": served,
             "policies": [PolicyLinePublic.model_validate(line).model_dump(mode="json") for line in lines],
             # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
             # store unconsumed, by reason.
@@ -145,12 +144,12 @@ async def publish(gw: Gateway, body: PublishRequest) -> dict[str, Any]:
         raise APIError(404, f"No {body.kind} checkpoint at '{path}' on the gateway's machine: expected a directory "
                        f"with {what}.", code="checkpoint_not_found", param="checkpoint")
     try:
-        await gw.publishing.publish(Checkpoint(body.version, path, body.kind))
+        await gw.publishing.publish(Checkpoint(body.version, path, body.kind, body.policy))
     except (PublishError, EngineError) as exc:
         raise APIError(502, f"Publishing version {body.version} failed; still serving version "
-                       f"{gw.engine.version}: {exc}", code="publish_failed") from exc
+                       f"{line_version(gw.engine, body.policy)}: {exc}", code="publish_failed") from exc
     gw.metrics.policy_version.set(gw.engine.version)
-    return {"version": gw.engine.version, "published": True}
+    return {"version": line_version(gw.engine, body.policy), "published": True}
 
 
 class PromotionRequest(RequestModel):

@@ -1,5 +1,7 @@
 """Learning apart (issue 32): two named policies on one base model get opposite rewards for the same prompts,
-through the real gateway, store, trainer and in-process publisher, over three seeds.
+through the real gateway, store, trainer and in-process publisher. One seed in the suite: what must hold is
+checked the same way whatever the seed, and the learning criterion below does not hold yet on any seed
+(seeds 0, 1 and 2 were run: `SEEDS` takes more).
 
 The task is tests/e2e/test_learning_signal.py's: the model (tests/support/digit_model.py) answers any task
 with uniformly drawn digits. Policy `even` is rewarded with the share of even digits it samples, policy
@@ -50,7 +52,7 @@ VERSIONS = 6
 MARGIN = 0.1
 BATCH = 16
 GROUP = 4
-SEEDS = (0, 1, 2)
+SEEDS = (0,)
 SETTINGS = {"lr": 1e-2}
 """Each policy's own settings (`gateway.policies[].settings`), which its steps honour (the trainer's is lower)."""
 RESULTS: dict[int, dict[str, dict[str, tuple[float, float]]]] = {}

@@ -232,6 +232,31 @@ async def test_lora_publish_serves_the_adapter(engine, smollm2, prompt, lora_dir
 
 
 @vllm
+async def test_named_policies_are_served_their_own_adapters_beside_the_default_line(engine, smollm2, prompt,
+                                                                                   lora_dirs):
+    """Named policies (docs/architecture.md, decision 13): each policy's requests get its own newest adapter,
+    a policy with none the base model as its version 0, and the default line keeps its own version."""
+    publisher = VLLMLoRAPublisher(engine, prefix="lines")
+    await publisher.publish(Checkpoint(1, lora_dirs[0], "lora"))
+    base = await generate(engine, prompt, replace(GREEDY, line="quiet"))
+    assert {d.version for d in base} == {0}
+    assert max_diff(sampled_logprobs(base), hf_logprobs(smollm2, prompt + token_ids(base), len(prompt))) \
+        < LOGPROB_TOLERANCE  # the base model's weights, not the default line's adapter
+
+    await publisher.publish_line(Checkpoint(1, lora_dirs[1], "lora", line="support"))
+    await publisher.publish_line(Checkpoint(2, lora_dirs[2], "lora", line="support"))
+    assert engine.line_versions() == {"support": 2}
+    support = await generate(engine, prompt, replace(GREEDY, line="support"))
+    assert {d.version for d in support} == {2}
+    expected = hf_logprobs(merged_lora(smollm2, lora_dirs[2]), prompt + token_ids(support), len(prompt))
+    assert max_diff(sampled_logprobs(support), expected) < LOGPROB_TOLERANCE  # version 2's weights sampled them
+    default = await generate(engine, prompt)
+    assert {d.version for d in default} == {1}
+    await assert_matches(engine, merged_lora(smollm2, lora_dirs[0]), prompt, default)
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, line="quiet"))} == {0}
+
+
+@vllm
 async def test_a_canary_adapter_serves_next_to_the_current_one(engine, smollm2, prompt, lora_dirs):
     """Canary promotion with LoRA: both adapters in one vLLM; a request asking for the canary's version gets
     its weights (logprobs match the merged model), every other request the current version's. (Placed before

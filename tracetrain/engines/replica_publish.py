@@ -25,6 +25,8 @@ import logging
 from pathlib import Path
 from typing import Protocol, cast
 
+from tracetrain.config import DEFAULT_POLICY
+
 from .probe import ProbeCheck
 from .publishing import Checkpoint, PublishError
 from .replicas import ReplicaSet
@@ -96,6 +98,29 @@ class ReplicaPublisher:
             if len(failures) == len(targets):
                 raise PublishError("; ".join(failures.values()))
             self.latest = checkpoint
+
+    async def publish_line(self, checkpoint: Checkpoint) -> None:
+        """A named policy's version (docs/architecture.md, decision 13) as its own adapter in every replica in
+        service, each proven by the probe first; a replica that fails is taken out, the others switch that
+        policy's requests to it together. Other lines keep what they serve."""
+        async with self._lock:
+            lora = self._lora()
+            targets = [i for i, up in enumerate(self.replicas.router.up) if up]
+            if not targets:
+                raise PublishError("no replica is in service to publish to")
+
+            async def load(i: int) -> None:
+                await lora[i].load_line(checkpoint)
+                await self._verify(i, checkpoint, lora[i].line_adapter(checkpoint))
+
+            results = await asyncio.gather(*(load(i) for i in targets), return_exceptions=True)
+            failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
+                        if isinstance(r, BaseException)}
+            if len(failures) == len(targets):
+                raise PublishError("; ".join(failures.values()))
+            for i, reason in failures.items():
+                self._failed(i, checkpoint, reason)
+            await asyncio.gather(*(lora[i].switch_line(checkpoint) for i in targets if i not in failures))
 
     async def adopt(self, checkpoint: Checkpoint) -> None:
         """Serve a version another gateway process on the same store published into these replicas: a
@@ -306,9 +331,11 @@ class ReplicaPublisher:
             return
         figures = {"ok": result.ok, "mean_diff": result.mean_diff, "max_diff": result.max_diff,
                    "tolerance": result.tolerance}
-        self.probes.setdefault(checkpoint.version, {})[replica.url] = figures
-        self.replicas.record(index, "probe_ok" if result.ok else "probe_failed",
-                             f"version {checkpoint.version}: {result.describe()}")
+        if checkpoint.line == DEFAULT_POLICY:  # what the gateway records on the default line's version rows
+            self.probes.setdefault(checkpoint.version, {})[replica.url] = figures
+        what = f"version {checkpoint.version}" + ("" if checkpoint.line == DEFAULT_POLICY else
+                                                  f" of policy {checkpoint.line!r}")
+        self.replicas.record(index, "probe_ok" if result.ok else "probe_failed", f"{what}: {result.describe()}")
         if not result.ok:
             raise PublishError(result.describe())
 

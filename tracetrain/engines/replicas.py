@@ -107,6 +107,13 @@ class ReplicaSet:
         return max(serving or [r.engine.version for i, r in enumerate(self.replicas) if i not in self.canary]
                    or [r.engine.version for r in self.replicas])
 
+    def line_versions(self) -> dict[str, int]:
+        """Each named policy's version as the replicas in service serve it: the oldest among them, the
+        base model's 0 where one lacks it (each call records its own replica's)."""
+        up = [r.engine for i, r in enumerate(self.replicas) if self.router.up[i]] or [r.engine for r in self.replicas]
+        lines = {line for engine in up for line in engine.lines}
+        return {line: min(engine.line_versions().get(line, 0) for engine in up) for line in lines}
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         self.start()

@@ -68,6 +68,9 @@ class VLLMEngine:
         self.adapters: dict[int, str | None] = {}
         """Other versions this server holds, by version: the adapter to name (None: the base model). A
         request that asks for one of them (`SamplingParams.version`, canary promotion) gets it."""
+        self.lines: dict[str, tuple[int, str]] = {}
+        """Named policies' newest versions, (version, LoRA adapter name) by policy (docs/architecture.md,
+        decision 13). A policy not here is served the base model, its version 0."""
         self.skip_special_tokens = skip_special_tokens
         self.json_max_whitespace = json_max_whitespace
         self._timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout)
@@ -105,11 +108,20 @@ class VLLMEngine:
         else:
             self.adapters[version] = adapter
 
+    def use_line(self, line: str, adapter: str, version: int) -> None:
+        """Serve `adapter` as named policy `line`'s `version` from the next request of that policy on."""
+        self.lines[line] = (version, adapter)
+
+    def line_versions(self) -> dict[str, int]:
+        return {line: version for line, (version, _) in self.lines.items()}
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         del affinity  # one engine: nothing to route
         # The version is read together with the adapter named in `body`, with no await between: exact.
-        if params.version is not None and params.version in self.adapters:
+        if params.line is not None:
+            version, model = self.lines.get(params.line, (0, self.model_name))
+        elif params.version is not None and params.version in self.adapters:
             model, version = self.adapters[params.version] or self.model_name, params.version
         else:
             model, version = self.served_model, self.version

@@ -109,6 +109,37 @@ class VLLMLoRAPublisher:
         self.loaded.append(name)
         log.info("serving LoRA %s (version %d) from %s", name, checkpoint.version, checkpoint.path)
 
+    def line_adapter(self, checkpoint: Checkpoint) -> str:
+        """A named policy's version as its own adapter name, next to every other line's."""
+        return f"{self.prefix}-{checkpoint.line}-v{checkpoint.version}"
+
+    async def publish_line(self, checkpoint: Checkpoint) -> None:
+        """A named policy's version, served to that policy's requests from the next one on; every other line
+        is left as it was. The base weights stay the base model's (named policies need LoRA publishing)."""
+        await self.load_line(checkpoint)
+        await self.switch_line(checkpoint)
+
+    async def load_line(self, checkpoint: Checkpoint) -> None:
+        expect_kind(checkpoint, "lora", type(self).__name__)
+        check_lora_checkpoint(checkpoint.path)
+        async with _control_client(self.engine, self.timeout) as client:
+            await self._load(client, self.line_adapter(checkpoint), checkpoint.path)
+
+    async def switch_line(self, checkpoint: Checkpoint) -> None:
+        """Serve a loaded line adapter, then unload the policy's previous one (best effort: requests already
+        sent hold their adapter and finish, see the class docstring)."""
+        previous = self.engine.lines.get(checkpoint.line)
+        self.engine.use_line(checkpoint.line, self.line_adapter(checkpoint), checkpoint.version)
+        log.info("serving LoRA %s (policy %r) from %s", self.line_adapter(checkpoint), checkpoint.line,
+                 checkpoint.path)
+        if previous is None or previous[1] == self.line_adapter(checkpoint):
+            return
+        async with _control_client(self.engine, self.timeout) as client:
+            try:
+                await client.post("/v1/unload_lora_adapter", json={"lora_name": previous[1]})
+            except httpx.HTTPError as exc:
+                log.warning("unloading LoRA %s failed: %s", previous[1], exc)
+
     async def tidy(self) -> None:
         """Unload adapters older than the previous one (best effort); a staged canary is not among them."""
         async with _control_client(self.engine, self.timeout) as client:

@@ -92,7 +92,7 @@ class PublishController:
         publish_line = getattr(self.publisher, "publish_line", None)
         if publish_line is None:
             raise APIError(409, f"This gateway's publisher cannot serve named policies' adapters (policy "
-                           f"'{checkpoint.line}'); use the transformers engine.", code="no_publisher")
+                           f"'{checkpoint.line}').", code="no_publisher")
         if checkpoint.kind != "lora":
             raise APIError(409, f"Policy '{checkpoint.line}' is a line of LoRA adapters; got a {checkpoint.kind} "
                            "checkpoint.", code="stale_version")

@@ -241,7 +241,8 @@ def test_listing_and_export_filter_by_policy(gw: RunningGateway, tmp_path: Path)
 
 def test_creating_a_policy_over_the_api(gw: RunningGateway) -> None:
     """Admin only; checked as the config is (LoRA only, its settings, engine.max_loras); usable at once."""
-    body = {"name": "data", "settings": {"lr": 5e-5, "advantage": "grpo", "retention_days": 30}}
+    # 16.0 is an integer in JSON Schema (fuzzers send such), taken as 16; 8.5 is not one.
+    body = {"name": "data", "settings": {"lr": 5e-5, "advantage": "grpo", "retention_days": 30, "batch_sessions": 16.0}}
     _refused(_send(gw, "unbound", "POST", "/v1/policies", body), 403, "admin_required")
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "training": "full"}), 400, "full_weight_policy")
     refused = _send(gw, "admin", "POST", "/v1/policies", {**body, "training": "full"}).json()["error"]["message"]
@@ -249,6 +250,8 @@ def test_creating_a_policy_over_the_api(gw: RunningGateway) -> None:
     # The document types every setting a policy may set; one it may not, or a wrong type, is refused by it.
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"device": "cuda"}}), 400, "invalid_value")
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"lr": "fast"}}), 400, "invalid_value")
+    _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"min_sessions": 8.5}}), 400,
+             "invalid_value")
     # Settings are checked together, on top of the config's trainer (batch_sessions 32).
     _refused(_send(gw, "admin", "POST", "/v1/policies", {**body, "settings": {"min_sessions": 64}}), 400,
              "invalid_policy_settings")
@@ -261,6 +264,7 @@ def test_creating_a_policy_over_the_api(gw: RunningGateway) -> None:
     assert created.status_code == 200, created.text
     assert {k: created.json()[k] for k in ("created", "name", "training", "settings", "source")} == {
         "created": True, "name": "data", "training": "lora", "settings": body["settings"], "source": "api"}
+    assert type(created.json()["settings"]["batch_sessions"]) is int
     _refused(_send(gw, "admin", "POST", "/v1/policies", body), 409, "policy_exists")
     # The default, two declared and this one fill engine.max_loras (4).
     _refused(_send(gw, "admin", "POST", "/v1/policies", {"name": "fifth"}), 409, "too_many_policies")

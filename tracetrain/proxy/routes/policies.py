@@ -47,7 +47,10 @@ class _SettingsModel(RequestModel):
 def _optional(name: str) -> tuple[Any, None]:
     """A `train.*` setting as a policy may set it: its config type, or left out."""
     field = TrainConfig.model_fields[name]
-    kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation  # its bounds
+    # Its bounds, and for an integer INTEGRAL: JSON Schema's integers include 16.0, which strict mode refuses.
+    extra = [INTEGRAL] if field.annotation is int else []
+    metadata = [*field.metadata, *extra]
+    kind = Annotated[(field.annotation, *metadata)] if metadata else field.annotation
     return Optional[kind], None  # noqa: UP045 (a runtime type expression)
 
 

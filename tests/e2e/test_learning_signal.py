@@ -26,7 +26,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.digit_model import REPLY_TOKENS, digit_ids, digit_model_dir, prompt_text
+from tests.support.digit_model import (
+    REPLY_TOKENS,
+    digit_ids,
+    digit_model_dir,
+    post_final_reward,
+    sample_reply,
+)
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_publish import InProcessPublisher
@@ -83,19 +89,11 @@ async def _episode(client: httpx.AsyncClient, gw: RunningGateway, prompt: int, r
                    reward: bool, group: str | None = None) -> float:
     """One call; the reward is the share of its sampled ids that are even digits (posted when `reward`)."""
     session = f"ep-{uuid.uuid4().hex[:10]}"
-    response = await client.post(f"{gw.v1(session, group)}/chat/completions", json={
-        "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 1.0, "stop": [],
-        "messages": [{"role": "user", "content": prompt_text(prompt)}]},
-        headers={} if reward else {"X-Admission": "bypass"})
-    assert response.status_code == 200, response.text
-    trajectory = (await client.get(f"{gw.url}/v1/sessions/{session}/trajectory")).json()
-    segment = trajectory["trajectories"][0]["segments"][0]
-    sampled = [t for t, m in zip(segment["token_ids"], segment["loss_mask"], strict=True) if m]
+    sampled = await sample_reply(client, gw, session, prompt, model=MODEL, max_tokens=MAX_TOKENS, admitted=reward,
+                                 group=group)
     share = sum(t in rewarded_ids for t in sampled) / len(sampled)
     if reward:
-        posted = await client.post(f"{gw.url}/v1/rewards", json={"session_id": session, "reward": share,
-                                                                  "final": True})
-        assert posted.status_code == 200, posted.text
+        await post_final_reward(client, gw, session, share)
     return share
 
 

@@ -36,7 +36,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.digit_model import REPLY_TOKENS, digit_ids, digit_model_dir, prompt_text
+from tests.support.digit_model import (
+    REPLY_TOKENS,
+    digit_ids,
+    digit_model_dir,
+    post_final_reward,
+    prompt_text,
+    sample_reply,
+)
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_publish import InProcessPublisher
@@ -98,20 +105,11 @@ async def _episode(client: httpx.AsyncClient, gw: RunningGateway, policy: str, p
     """One call of `policy` (bound by `model: <policy>`); returns the shares of even and of odd digits it
     sampled, and with `reward` posts the policy's reward: the share of its own kind of digit."""
     session = f"{policy}-{uuid.uuid4().hex[:10]}"
-    response = await client.post(f"{gw.v1(session, group)}/chat/completions", json={
-        "model": policy, "max_tokens": REPLY_TOKENS, "temperature": 1.0, "stop": [],
-        "messages": [{"role": "user", "content": prompt_text(prompt)}]},
-        headers={} if reward else {"X-Admission": "bypass"})
-    assert response.status_code == 200, response.text
-    trajectory = (await client.get(f"{gw.url}/v1/sessions/{session}/trajectory")).json()
-    assert trajectory["policy"] == policy if "policy" in trajectory else True
-    segment = trajectory["trajectories"][0]["segments"][0]
-    sampled = [t for t, m in zip(segment["token_ids"], segment["loss_mask"], strict=True) if m]
+    sampled = await sample_reply(client, gw, session, prompt, model=policy, max_tokens=REPLY_TOKENS, admitted=reward,
+                                 group=group)
     shares = {kind: sum(t in ids for t in sampled) / len(sampled) for kind, ids in digits.items()}
     if reward:
-        posted = await client.post(f"{gw.url}/v1/rewards", json={"session_id": session, "reward": shares[policy],
-                                                                  "final": True})
-        assert posted.status_code == 200, posted.text
+        await post_final_reward(client, gw, session, shares[policy])
     return shares
 
 

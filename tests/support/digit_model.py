@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tracetrain.engines.models import cache_root, save_model_dir, tiny_model_dir
 from tracetrain.proxy.render import ChatRenderer
+
+if TYPE_CHECKING:
+    import httpx
+
+    from tests.support.servers import RunningGateway
 
 DIGITS = "0123456789"
 REPLY_TOKENS = 16
@@ -63,3 +69,23 @@ def digit_model_dir(steps: int = 300) -> Path:
     if loss.item() > 2.45:
         raise RuntimeError(f"the digit model did not converge (loss {loss.item():.3f})")
     return save_model_dir(target, model, tokenizer)
+
+
+async def sample_reply(client: httpx.AsyncClient, gw: RunningGateway, session: str, task: int, *, model: str,
+                       max_tokens: int, admitted: bool = True, group: str | None = None) -> list[int]:
+    """One chat call on task `task` in `session` at temperature 1; the token ids it sampled, read back from the
+    session's recorded trajectory (its loss-masked tokens). Not `admitted`: a held-out call that bypasses
+    admission, as an evaluation does."""
+    response = await client.post(f"{gw.v1(session, group)}/chat/completions", json={
+        "model": model, "max_tokens": max_tokens, "temperature": 1.0, "stop": [],
+        "messages": [{"role": "user", "content": prompt_text(task)}]},
+        headers={} if admitted else {"X-Admission": "bypass"})
+    assert response.status_code == 200, response.text
+    trajectory = (await client.get(f"{gw.url}/v1/sessions/{session}/trajectory")).json()
+    segment = trajectory["trajectories"][0]["segments"][0]
+    return [t for t, m in zip(segment["token_ids"], segment["loss_mask"], strict=True) if m]
+
+
+async def post_final_reward(client: httpx.AsyncClient, gw: RunningGateway, session: str, reward: float) -> None:
+    posted = await client.post(f"{gw.url}/v1/rewards", json={"session_id": session, "reward": reward, "final": True})
+    assert posted.status_code == 200, posted.text

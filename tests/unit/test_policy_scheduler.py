@@ -59,11 +59,3 @@ def test_a_partial_batch_is_due_after_the_fill_timeout() -> None:
     assert scheduler.due(partial, now=106.0) == [], "its wait starts again after a step"
     assert scheduler.due({"a": _full(1, batch=4, minimum=2)}, now=200.0) == []
     assert scheduler.due(partial, now=201.0) == [], "fewer than min_sessions in between restarts the wait"
-
-
-def test_steps_since_counts_the_other_lines_turns() -> None:
-    scheduler = FairScheduler()
-    scheduler.stepped("a")
-    scheduler.stepped("b")
-    scheduler.stepped("b")
-    assert scheduler.steps_since("a") == 2 and scheduler.steps_since("b") == 0 and scheduler.steps_since("c") == 3

@@ -49,7 +49,3 @@ class FairScheduler:
         self._turn += 1
         self._last[name] = self._turn
         self._partial_since.pop(name, None)
-
-    def steps_since(self, name: str) -> int:
-        """Steps other lines took since `name` last stepped (all of them, if it never did)."""
-        return self._turn - self._last.get(name, 0)

@@ -32,6 +32,7 @@ from rich.live import Live
 from rich.table import Table
 
 from tracetrain.config import parse_set
+from tracetrain.demo import two_policies as two_policies_demo
 from tracetrain.engines.vllm_server import die_with_parent
 
 AGENT = [sys.executable, "-m", "tracetrain.demo.arithmetic"]
@@ -55,14 +56,20 @@ answers (bench/results/demo_seeds_grpo.md, in git history at af20f58), none of t
 (bench/results/demo_seeds.md)."""
 
 
-def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any]) -> Path:
-    """The demo's config file: its settings, group by group, under `overrides` (`parse_set`'s shape)."""
+def _write_config(out: Path, port: int, vllm_port: int, engine: str, overrides: dict[str, Any],
+                  two_policies: bool = False) -> Path:
+    """The demo's config file: its settings, group by group, under `overrides` (`parse_set`'s shape).
+    `two_policies`: the policies of `tracetrain.demo.two_policies`, whose versions cannot be merged and
+    reloaded (that would put one policy's weights under every call)."""
     config: dict[str, dict[str, Any]] = {
         "engine": {"kind": engine, "vllm_port": vllm_port},
         "store": {"url": f"sqlite:///{(out / 'store.db').resolve()}"},
         "gateway": {"port": port, "log_level": "INFO"},
         "train": {**DEMO_TRAINING, "checkpoint_dir": str((out / "checkpoints").resolve())},
     }
+    if two_policies:
+        config["gateway"]["policies"] = two_policies_demo.GATEWAY_POLICIES
+        config["train"]["publish"] = "auto"  # each version its own adapter in vLLM, swapped in place in-process
     for group, settings in overrides.items():
         config[group] = {**config.get(group, {}), **settings}
     path = out / "demo.yaml"
@@ -215,8 +222,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="any setting, as in `serve --set`: lr=1e-4 (or train.lr=1e-4), "
                              "gateway.admission=staleness")
     parser.add_argument("--agent-args", default="", metavar="ARGS",
-                        help="more flags for the agent (python -m tracetrain.demo.arithmetic --help), e.g. "
+                        help="more flags for the agent (python -m tracetrain.demo.arithmetic --help, or "
+                             "tracetrain.demo.choices with --two-policies), e.g. "
                              "'--episodes 2000 --group-size 1 --no-group --reward-delay 30 300'")
+    parser.add_argument("--two-policies", action="store_true",
+                        help="two named policies on one base model, rewarded for opposite answers to the same "
+                             "questions (tracetrain.demo.two_policies) instead of the arithmetic agent")
     args = parser.parse_args(argv)
     try:  # the agent speaks the OpenAI SDK; the trainer needs torch, peft and verl
         import matplotlib  # noqa: F401
@@ -225,25 +236,33 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as exc:
         raise SystemExit(f"tracetrain demo needs the demo extra ({exc.name} is missing): "
                          "pip install 'tracetrain[demo]'") from exc
-    from tracetrain.demo import arithmetic
+    from tracetrain.demo import arithmetic, choices
 
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = parse_set(args.set)
     overrides["train"] = {"seed": args.seed, **overrides.get("train", {})}
-    config = _write_config(args.out, args.port, args.vllm_port, args.engine, overrides)
+    config = _write_config(args.out, args.port, args.vllm_port, args.engine, overrides, args.two_policies)
     url = f"http://127.0.0.1:{args.port}"
     log = args.out / "gateway.log"
     started = time.monotonic()
     console.rule("tracetrain demo")
     console.print(f"config {config}, logs {log}, seed {args.seed}")
-    console.print(f"held-out split: {args.eval_size} of the {len(arithmetic.TEST)} test sums of "
-                  f"{arithmetic.__name__}; training draws from {len(arithmetic.TRAIN)} other pairs (split once by a "
-                  "fixed seed on the unordered pair {a, b}: no held-out sum is asked in training, in either order)")
+    if args.two_policies:
+        console.print(f"held-out split: {args.eval_size} of the {len(choices.TEST)} test pairs of {choices.__name__}; "
+                      f"training draws from {len(choices.TRAIN)} other pairs, in either order")
+    else:
+        console.print(f"held-out split: {args.eval_size} of the {len(arithmetic.TEST)} test sums of "
+                      f"{arithmetic.__name__}; training draws from {len(arithmetic.TRAIN)} other pairs (split once by "
+                      "a fixed seed on the unordered pair {a, b}: no held-out sum is asked in training, either way)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that `finally` stops the gateway and vLLM
     gateway = subprocess.Popen([sys.executable, "-m", "tracetrain.cli", "--config", str(config), "serve", "--train"],
                                stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     try:
         _wait_healthy(url, gateway, log)
+        if args.two_policies:
+            two_policies_demo.run(url, minutes=args.minutes, seed=args.seed, eval_size=args.eval_size, out=args.out,
+                                  agent_args=shlex.split(args.agent_args))
+            return
         console.print(f"[green]gateway + vLLM + trainer up[/green] after {time.monotonic() - started:.0f}s; "
                       f"held-out evaluation on {args.eval_size} sums (greedy)…")
         before = _evaluate(url, args.eval_size, args.out / "eval_before.json")

@@ -421,11 +421,12 @@ POLICY_SESSIONS = {"default": ["d-1", "d-2"], "support": ["s-1", "s-2", "s-3"], 
 @pytest.fixture(scope="module")
 def policies_gw(tiny_engine: TransformersEngine, tiny_model_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    """A gateway with two named policies and a key bound to one: sessions and rewards in each policy, and
-    versions in the store for each named line (support v1 and v2, coding v1), none for the default line."""
+    """A gateway with two named policies (room for one more) and a key bound to one: sessions and rewards in
+    each policy, and versions in the store for each named line (support v1 and v2, coding v1), none for the
+    default line."""
     tmp = tmp_path_factory.mktemp("policies")
     gw = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp / 'policies.db'}",
-                       engine={"max_loras": 3},
+                       engine={"max_loras": 4},
                        gateway={"admin_key": ADMIN_KEY, "policies": [{"name": "support"}, {"name": "coding"}],
                                 "api_keys": [AGENT_A, {"key": SUPPORT_KEY, "policy": "support"}]})
     keys = {"default": AGENT_A, "support": SUPPORT_KEY, "coding": AGENT_A}
@@ -505,6 +506,9 @@ def test_the_policy_selector_narrows_sessions_charts_and_cards(policies_gw: Runn
     sync_api.expect(page.locator("#sessions-open .value")).to_have_text("2")
     page.click("#nav >> text=Policies")
     sync_api.expect(page.locator("#policies tbody tr")).to_have_count(4)  # default's v0 and the three above
+    created = httpx.post(f"{gw.url}/v1/policies", headers=_auth(ADMIN_KEY), json={"name": "later"}, timeout=30)
+    assert created.status_code == 200, created.text
+    sync_api.expect(select.locator("option[value=later]")).to_have_count(1)  # the page's refresh offers it
     sync_api.expect(page.locator("#chart-version canvas")).to_have_count(1)
     assert sorted(_legend(page, "chart-version")) == ["coding", "support"]
     page.click("#nav >> text=Sessions")

@@ -673,6 +673,11 @@ function policiesPage(view, params) {
   let drawn = -1;
   live(async () => {
     const listed = await api(`/v1/policies${query({ policy })}`);
+    const names = listed.policies.map((p) => p.name);
+    if (!policy && names.join() !== state.policies.join()) {  // one created since login: offer it too
+      state.policies = names;
+      showPolicyPick("policies", policy);
+    }
     const s = listed.sessions;
     const serving = Object.entries(listed.served_versions).map(([name, version]) => `${name} v${version}`);
     summary.textContent = `Serving ${serving.join(", ")}. Sessions ready for the trainer: ${s.ready}; ` +

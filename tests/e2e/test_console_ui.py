@@ -2,7 +2,9 @@
 gateway with keys: log in, filter sessions, open one, see its sampled tokens highlighted, override its
 reward and exclude it, and see the trainer skip it; clear an override; see a call's tool calls and tool
 results as their own items; bad rewards in the form change nothing; an agent key sees only its own
-sessions and corrects nothing. Screenshots go to tests/e2e/screenshots/ (git-ignored)."""
+sessions and corrects nothing; the policy selector narrows the sessions, the charts and the cards to one
+policy, kept in the link, and a key bound to a policy is offered only its own. Screenshots go to
+tests/e2e/screenshots/ (git-ignored)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import OpenAI
+from sqlmodel import Session
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
@@ -26,6 +29,7 @@ from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.auth import fingerprint
 from tracetrain.store.db import open_db
+from tracetrain.store.models import Policy, utcnow
 from tracetrain.trainer.loop import Trainer
 
 pytestmark = pytest.mark.slow
@@ -406,3 +410,124 @@ def test_an_admin_marks_a_session_never_to_be_trained_and_sees_purged_ones(conso
     _shot(page, "sessions_consent", "#sessions")
     audit = console.get("/v1/audit", session_id="consent-1")["data"]
     assert [(e["action"], e["detail"]["note"]) for e in audit] == [("no_train", "the user withdrew consent")]
+
+
+# --- policies ----------------------------------------------------------------------------------------------
+
+SUPPORT_KEY = "sk-support"
+POLICY_SESSIONS = {"default": ["d-1", "d-2"], "support": ["s-1", "s-2", "s-3"], "coding": ["c-1"]}
+
+
+@pytest.fixture(scope="module")
+def policies_gw(tiny_engine: TransformersEngine, tiny_model_path: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    """A gateway with two named policies (room for one more) and a key bound to one: sessions and rewards in
+    each policy, and versions in the store for each named line (support v1 and v2, coding v1), none for the
+    default line."""
+    tmp = tmp_path_factory.mktemp("policies")
+    gw = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp / 'policies.db'}",
+                       engine={"max_loras": 4},
+                       gateway={"admin_key": ADMIN_KEY, "policies": [{"name": "support"}, {"name": "coding"}],
+                                "api_keys": [AGENT_A, {"key": SUPPORT_KEY, "policy": "support"}]})
+    keys = {"default": AGENT_A, "support": SUPPORT_KEY, "coding": AGENT_A}
+    for policy, sessions in POLICY_SESSIONS.items():
+        for i, sid in enumerate(sessions):
+            # The default policy by an unbound key, support by its key, coding by its model name.
+            client = OpenAI(base_url=gw.v1(sid, f"{policy}-group"), api_key=keys[policy], max_retries=0)
+            client.chat.completions.create(model="coding" if policy == "coding" else MODEL, max_tokens=4,
+                                           messages=[{"role": "user", "content": f"A question for {policy}."}])
+            if i < len(sessions) - 1 or policy == "coding":  # each line's last one stays open, but coding's
+                posted = httpx.post(f"{gw.url}/v1/rewards", headers=_auth(keys[policy]), timeout=30,
+                                    json={"session_id": sid, "reward": 0.5 * i, "final": True})
+                assert posted.status_code == 200, posted.text
+    with Session(gw.gateway.db) as db:  # as the trainer records a named policy's versions
+        for line, version, reward in (("support", 1, 0.25), ("support", 2, 0.75), ("coding", 1, 0.5)):
+            db.add(Policy(line=line, version=version, checkpoint=f"/ckpt/{line}/{version}", kind="lora",
+                          published_at=utcnow(), promotion="immediate", metrics={"reward_mean": reward}))
+        db.commit()
+    yield gw
+    gw.stop()
+
+
+def _legend(page: Any, chart: str) -> list[str]:
+    """The series of a chart, by name (uPlot's legend, the x series left out)."""
+    labels = page.locator(f"#{chart} .u-legend .u-series .u-label").all_text_contents()
+    return [label for label in labels if label not in ("version", "time")]
+
+
+def test_the_policy_selector_narrows_sessions_charts_and_cards(policies_gw: RunningGateway, page: Any) -> None:
+    gw = policies_gw
+    _login(page, gw, ADMIN_KEY)
+    page.click("#nav >> text=Sessions")
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 6")
+    select = page.locator("#policy")
+    assert select.locator("option").all_text_contents() == ["all policies", "default", "support", "coding"]
+
+    select.select_option("support")
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 3")
+    assert sorted(_listed(page)) == POLICY_SESSIONS["support"]
+    assert set(page.locator("#sessions td.policy").all_text_contents()) == {"support"}
+    assert "policy=support" in page.url, "the selection is in the link"
+    _apply_filters(page, status="final")  # the other filters keep the policy
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 2")
+    assert sorted(_listed(page)) == ["s-1", "s-2"]
+    _shot(page, "sessions_policy")
+
+    page.click("#nav >> text=Policies")  # the nav links carry the selection
+    sync_api.expect(page.locator("#scope")).to_contain_text("policy support")
+    sync_api.expect(page.locator("#policies tbody tr")).to_have_count(2)
+    rows = page.locator("#policies tbody tr").evaluate_all("rows => rows.map(r => r.dataset.line + r.dataset.version)")
+    assert rows == ["support2", "support1"]
+    sync_api.expect(page.locator("#chart-version canvas")).to_have_count(1)
+    assert _legend(page, "chart-version") == ["support"]
+    sync_api.expect(page.locator("#policy-sessions")).to_contain_text("Serving support v0")
+    _shot(page, "policies_support", ".charts")
+
+    page.click("#nav >> text=Overview")
+    sync_api.expect(page.locator("#serving .sub")).to_have_text("policy support")
+    sync_api.expect(page.locator("#last-publish .value")).to_have_text("v2")
+    sync_api.expect(page.locator("#sessions-open .value")).to_have_text("1")
+    sync_api.expect(page.locator("#sessions-final .value")).to_have_text("2")
+    overview = httpx.get(f"{gw.url}/v1/overview", params={"policy": "support"}, headers=_auth(ADMIN_KEY)).json()
+    sync_api.expect(page.locator("#serving .value")).to_have_text(f"v{overview['served_version']}")
+
+    # A link opens the same view: a fresh page at another policy's sessions.
+    page.goto(f"{gw.url}/ui/#/sessions?policy=coding")
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 1")
+    assert _listed(page) == ["c-1"] and select.input_value() == "coding"
+    page.click("#nav >> text=Overview")
+    sync_api.expect(page.locator("#last-publish .value")).to_have_text("v1")
+    sync_api.expect(page.locator("#sessions-final .value")).to_have_text("1")
+
+    select.select_option("")  # every policy: the default line's versions on the cards, a series per line
+    sync_api.expect(page.locator("#scope")).to_contain_text("all policies")
+    sync_api.expect(page.locator("#last-publish .value")).to_have_text("—")
+    sync_api.expect(page.locator("#serving .sub")).to_contain_text("default policy; coding v0; support v0")
+    sync_api.expect(page.locator("#sessions-open .value")).to_have_text("2")
+    page.click("#nav >> text=Policies")
+    sync_api.expect(page.locator("#policies tbody tr")).to_have_count(4)  # default's v0 and the three above
+    created = httpx.post(f"{gw.url}/v1/policies", headers=_auth(ADMIN_KEY), json={"name": "later"}, timeout=30)
+    assert created.status_code == 200, created.text
+    sync_api.expect(select.locator("option[value=later]")).to_have_count(1)  # the page's refresh offers it
+    sync_api.expect(page.locator("#chart-version canvas")).to_have_count(1)
+    assert sorted(_legend(page, "chart-version")) == ["coding", "support"]
+    page.click("#nav >> text=Sessions")
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 6")
+
+    page.goto(f"{gw.url}/ui/#/overview?policy=nowhere")  # an unknown policy: the API's 404, shown
+    sync_api.expect(page.locator("#view-error")).to_contain_text("does not exist")
+
+
+def test_a_key_bound_to_a_policy_is_offered_only_its_own(policies_gw: RunningGateway, page: Any) -> None:
+    _login(page, policies_gw, SUPPORT_KEY)
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 3")
+    assert sorted(_listed(page)) == POLICY_SESSIONS["support"]
+    select = page.locator("#policy")
+    assert select.locator("option").all_text_contents() == ["support"]
+    sync_api.expect(select).to_be_disabled()
+    sync_api.expect(page.locator("#who")).to_contain_text("policy support")
+    page.goto(f"{policies_gw.url}/ui/#/sessions?policy=coding")  # a link to another policy: still its own
+    sync_api.expect(page.locator("#scope")).to_contain_text("policy support")
+    sync_api.expect(page.locator("#page-info")).to_contain_text("of 3")
+    assert sorted(_listed(page)) == POLICY_SESSIONS["support"]
+    assert page.locator("#view-error").text_content() == ""

@@ -50,12 +50,13 @@ def _chat(gw: RunningGateway, session: str, *turns: str) -> None:
 
 def test_whoami_names_the_key_and_whether_it_is_the_admin(keyed: RunningGateway, gateway: RunningGateway) -> None:
     assert _get(keyed, "/v1/whoami", ADMIN).json() == {"owner": fingerprint("admin"), "admin": True,
-                                                       "keys_required": True}
+                                                       "keys_required": True, "policy": None}
     assert _get(keyed, "/v1/whoami", AGENT).json() == {"owner": fingerprint("agent-a"), "admin": False,
-                                                       "keys_required": True}
+                                                       "keys_required": True, "policy": None}
     assert _get(keyed, "/v1/whoami").status_code == 401
     assert _get(keyed, "/v1/whoami", {"Authorization": "Bearer nope"}).status_code == 401
-    assert _get(gateway, "/v1/whoami").json() == {"owner": None, "admin": True, "keys_required": False}
+    assert _get(gateway, "/v1/whoami").json() == {"owner": None, "admin": True, "keys_required": False,
+                                                "policy": None}
 
 
 def test_the_overview_counts_traffic_sessions_the_trainer_and_the_last_publish(keyed: RunningGateway) -> None:

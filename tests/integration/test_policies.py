@@ -22,6 +22,7 @@ from tracetrain.engines.base import Affinity, SamplingParams, TokenDelta
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.store import queries
 from tracetrain.store.export import export
+from tracetrain.store.models import Policy, utcnow
 
 MODEL = "tiny"
 HI = [{"role": "user", "content": "hi"}]
@@ -234,6 +235,48 @@ def test_listing_and_export_filter_by_policy(gw: RunningGateway, tmp_path: Path)
     assert export(gw.gateway.db, out, "jsonl", policy="support") >= 1
     offline = {orjson.loads(line)["session_id"] for line in out.read_bytes().splitlines()}
     assert "list-support" in offline and {_session(gw, sid)["policy"] for sid in offline} == {"support"}
+
+
+def test_the_overview_and_whoami_narrow_to_a_policy(gw: RunningGateway) -> None:
+    for who, path in (("owner", "/s/ov-coding/v1"), ("owner", "/s/ov-coding-2/v1"),
+                      ("other_policy", "/s/ov-support/v1"), ("unbound", "/s/ov-default/v1")):
+        assert _send(gw, who, "POST", f"{path}/chat/completions", CHAT).status_code == 200
+    assert _send(gw, "owner", "POST", "/v1/rewards", {"session_id": "ov-coding", "reward": 1.0,
+                                                      "final": True}).status_code == 200
+    with Session(gw.gateway.db) as db:  # a version of support's line only: the default line stays at v0
+        db.add(Policy(line="support", version=1, checkpoint="/s1", kind="lora", published_at=utcnow(),
+                      promotion="immediate", metrics={"reward_mean": 0.5}))
+        db.commit()
+
+    def overview(query: str = "") -> dict[str, Any]:
+        found = _send(gw, "admin", "GET", f"/v1/overview{query}")
+        assert found.status_code == 200, found.text
+        return found.json()  # type: ignore[no-any-return]
+
+    def statuses(query: str) -> dict[str, int]:
+        listed = _send(gw, "admin", "GET", f"/v1/sessions?limit=1000{query}").json()["data"]
+        return {status: sum(s["status"] == status for s in listed) for status in ("open", "final")}
+
+    every, coding, support = overview(), overview("?policy=coding"), overview("?policy=support")
+    assert every["policy"] is None and every["last_publish"] is None, "all policies: the default line's versions"
+    assert {"default", "support", "coding"} <= every["served_versions"].keys()
+    assert every["sessions"] == statuses("")
+    assert coding["policy"] == "coding" and coding["served_versions"] == {"coding": 0}
+    assert coding["sessions"] == statuses("&policy=coding") and coding["sessions"]["final"] >= 1
+    assert coding["sessions"]["open"] + coding["sessions"]["final"] < every["sessions"]["open"] + every[
+        "sessions"]["final"]
+    assert coding["last_publish"] is None
+    assert support["sessions"] == statuses("&policy=support")
+    assert support["last_publish"] is not None and support["last_publish"]["version"] == 1, "support's own line"
+    ready = _send(gw, "admin", "GET", "/v1/policies?policy=coding").json()["sessions"]["ready"]
+    assert coding["trainer"]["ready"] == ready
+
+    _refused(_send(gw, "admin", "GET", "/v1/overview?policy=nowhere"), 404, "policy_not_found")
+    _refused(_send(gw, "admin", "GET", "/v1/overview?policy=Bad%20Name"), 400, "invalid_value")
+    _refused(_send(gw, "other_policy", "GET", "/v1/overview?policy=support"), 403, "admin_required")
+    _refused(_send(gw, "other_policy", "GET", "/v1/sessions?policy=coding"), 403, "policy_forbidden")
+    whoami = {who: _send(gw, who, "GET", "/v1/whoami").json()["policy"] for who in ("admin", "other_policy", "unbound")}
+    assert whoami == {"admin": None, "other_policy": "support", "unbound": None}
 
 
 # --- creating policies ----------------------------------------------------------------------------------

@@ -153,6 +153,9 @@ class WhoAmI(BaseModel):
     admin: bool
     keys_required: bool
     """False on a gateway without keys (loopback only): every caller is an anonymous admin."""
+    policy: str | None = None
+    """The named policy the caller's key is bound to (`gateway.api_keys[].policy`): it sees only that policy's
+    sessions. None: a key bound to none."""
 
 
 class TrafficCounters(BaseModel):
@@ -201,12 +204,19 @@ class Overview(BaseModel):
     counters: TrafficCounters
     store_queue_depth: int
     """Writes waiting for the group-commit writer."""
+    policy: str | None = None
+    """The named policy the figures below cover (`?policy=`); None: every policy, with the versions the
+    default policy's."""
     served_version: int
+    """The version of `policy` (None: of the default policy) its new calls get."""
+    served_versions: dict[str, int]
+    """Each policy's version its calls get now (only `policy`'s when asked)."""
     sessions: dict[str, int]
-    """Stored sessions by status (`open`, `final`)."""
+    """Stored sessions by status (`open`, `final`), of `policy` only when asked."""
     trainer: TrainerState
     last_publish: LastPublish | None
-    """The newest trained version's publish (None: no version trained yet)."""
+    """The newest trained version's publish, of `policy` or else of the default policy (None: no version
+    trained yet)."""
 
 
 MAX_ITEM_TEXT = 2000

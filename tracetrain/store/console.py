@@ -215,7 +215,9 @@ def capture_stats(db: Session) -> dict[str, list[dict[str, Any]]]:
     return {"data": rows}
 
 
-def status_counts(db: Session) -> dict[str, int]:
-    """Sessions by status (`open`, `final`)."""
+def status_counts(db: Session, *, policy: str | None = None) -> dict[str, int]:
+    """Sessions by status (`open`, `final`), of named policy `policy` (None: of every policy)."""
     query = select(AgentSession.status, func.count()).group_by(col(AgentSession.status))
+    if policy is not None:
+        query = query.where(AgentSession.policy == policy)
     return {str(status): int(n) for status, n in db.exec(query).all()}

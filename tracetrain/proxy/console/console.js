@@ -3,7 +3,7 @@
 "use strict";
 
 const COOKIE = "tt_console_key";
-const state = { key: null, me: null, timer: null, view: null, lastOverview: null };
+const state = { key: null, me: null, timer: null, view: null, lastOverview: null, policies: [] };
 
 // ---------- small helpers ----------
 
@@ -102,6 +102,7 @@ function showLogin(message) {
   stopTimer();
   state.me = null;
   document.getElementById("nav").hidden = true;
+  document.getElementById("policy-pick").hidden = true;
   document.getElementById("logout").hidden = true;
   document.getElementById("who").textContent = "";
   document.getElementById("view").replaceChildren();
@@ -117,8 +118,9 @@ async function identify() {
   for (const link of document.querySelectorAll("#nav [data-admin]")) link.hidden = !state.me.admin;
   const who = state.me.keys_required ? `${state.me.admin ? "admin" : "agent key"} ${state.me.owner.slice(0, 8)}`
     : "no keys (loopback)";
-  document.getElementById("who").textContent = who;
+  document.getElementById("who").textContent = who + (state.me.policy ? `, policy ${state.me.policy}` : "");
   document.getElementById("logout").hidden = !state.me.keys_required;
+  await loadPolicies();
 }
 
 async function start() {
@@ -152,6 +154,55 @@ document.getElementById("logout").addEventListener("click", () => {
   showLogin("");
 });
 
+// ---------- the policy selector ----------
+
+// The policies a page can be narrowed to: every one for the admin (`GET /v1/policies`), only its own for a
+// key bound to one, and `default` for any other agent key (the list of policies is the admin's to read).
+async function loadPolicies() {
+  if (state.me.policy) {
+    state.policies = [state.me.policy];
+  } else if (state.me.admin) {
+    // Without the list the selector still offers every policy and `default`; a page shows the API's error.
+    state.policies = await api("/v1/policies").then((l) => l.policies.map((p) => p.name), () => ["default"]);
+  } else {
+    state.policies = ["default"];
+  }
+}
+
+// The policy the pages show: the one the hash names (`?policy=`), "" for every policy. A key bound to a
+// policy always sees its own, whatever a link says: the API would answer nothing else.
+function selectedPolicy(params) {
+  return state.me.policy || params.get("policy") || "";
+}
+
+// The pages whose figures the selector narrows; a session is in one policy already, and capture quality is
+// counted per model (a policy's name is its model name).
+const POLICY_PAGES = new Set(["overview", "sessions", "policies"]);
+
+function showPolicyPick(page, policy) {
+  const pick = document.getElementById("policy-pick");
+  const select = document.getElementById("policy");
+  const bound = Boolean(state.me.policy);
+  const names = [...state.policies];
+  if (policy && !names.includes(policy)) names.push(policy);  // a link naming one this list lacks: the API judges it
+  const options = (bound ? [] : [["", "all policies"]]).concat(names.map((name) => [name, name]));
+  select.replaceChildren(...options.map(([value, text]) => el("option", { value, selected: value === policy }, text)));
+  select.value = policy;
+  select.disabled = bound;
+  pick.classList.toggle("fixed", bound);
+  pick.title = bound ? `This API key is bound to policy ${state.me.policy}: it sees that policy only.` : "";
+  pick.hidden = !POLICY_PAGES.has(page);
+}
+
+document.getElementById("policy").addEventListener("change", (event) => {
+  const [path, search] = location.hash.replace(/^#\/?/, "").split("?");
+  const params = new URLSearchParams(search || "");
+  params.delete("offset");  // another policy's list starts at its first page
+  if (event.target.value) params.set("policy", event.target.value); else params.delete("policy");
+  const text = params.toString();
+  location.hash = `#/${path || (state.me.admin ? "overview" : "sessions")}${text ? `?${text}` : ""}`;
+});
+
 // ---------- routing and live refresh ----------
 
 function stopTimer() {
@@ -178,9 +229,14 @@ function route() {
   const params = new URLSearchParams(search || "");
   const parts = path.split("/");
   const page = parts[0] || (state.me.admin ? "overview" : "sessions");
+  const policy = selectedPolicy(params);
+  const carried = state.me.policy ? "" : policy;  // the links keep the selection from page to page
   for (const link of document.querySelectorAll("#nav a")) {
-    link.classList.toggle("active", link.getAttribute("href") === `#/${page === "session" ? "sessions" : page}`);
+    const target = link.dataset.page;
+    link.setAttribute("href", carried ? `#/${target}?policy=${encodeURIComponent(carried)}` : `#/${target}`);
+    link.classList.toggle("active", target === (page === "session" ? "sessions" : page));
   }
+  showPolicyPick(page, policy);
   stopTimer();
   const view = document.getElementById("view");
   view.replaceChildren(el("p", { id: "view-error", class: "error", role: "alert" }));
@@ -199,13 +255,21 @@ function card(label, value, sub, id) {
     el("div", { class: "label" }, label), el("div", { class: "value" }, value), el("div", { class: "sub" }, sub || ""));
 }
 
-function overviewPage(view) {
+function scopeTitle(title, policy) {
+  return el("h1", {}, title, el("span", { class: "muted", id: "scope" }, policy ? ` · policy ${policy}`
+    : " · all policies"));
+}
+
+function overviewPage(view, params) {
+  const policy = selectedPolicy(params);
   state.lastOverview = null;  // rates only between readings taken while this page is open
   const cards = el("div", { class: "cards" });
-  view.append(el("h1", {}, "Overview"), cards,
-    el("p", { class: "muted" }, "Rates are measured between two readings of this gateway process's counters."));
+  view.append(scopeTitle("Overview", policy), cards,
+    el("p", { class: "muted" }, "Rates are measured between two readings of this gateway process's counters, " +
+      "which count every policy's traffic. " + (policy ? `Sessions, versions and the trainer's counts are policy ${
+        policy}'s.` : "Versions and the last publish are the default policy's; pick a policy for its own.")));
   live(async () => {
-    const now = await api("/v1/overview");
+    const now = await api(`/v1/overview${query({ policy })}`);
     const before = state.lastOverview;
     state.lastOverview = now;
     const rate = (field) => {
@@ -219,18 +283,21 @@ function overviewPage(view) {
       card("requests/s", rate((o) => o.counters.requests), `${c.requests} answered, ${c.failed_requests} failed`),
       card("tokens/s", rate((o) => o.counters.prompt_tokens + o.counters.completion_tokens),
         `${c.prompt_tokens} prompt, ${c.completion_tokens} sampled`),
-      card("sessions open", fmt(now.sessions.open), `${c.sessions_created} created by this process`),
-      card("sessions finished", fmt(now.sessions.final)),
+      card("sessions open", fmt(now.sessions.open), policy ? `of policy ${policy}`
+        : `${c.sessions_created} created by this process`, "sessions-open"),
+      card("sessions finished", fmt(now.sessions.final), policy ? `of policy ${policy}` : "", "sessions-final"),
       card("rewards received", fmt(c.rewards), "reward events since start"),
       card("store queue depth", fmt(now.store_queue_depth)),
-      card("serving policy", `v${now.served_version}`),
+      card("serving policy", `v${now.served_version}`, policy ? `policy ${policy}` : ["default policy",
+        ...Object.entries(now.served_versions).filter(([name]) => name !== "default")
+          .map(([name, version]) => `${name} v${version}`)].join("; "), "serving"),
       card("trainer", trainer.state, `${trainer.ready} ready, ${trainer.leased} claimed` +
         (trainer.holders.length ? `; held by ${trainer.holders.join(", ")}` : "") +
         (trainer.last_step_at ? `; last step ${age(trainer.last_step_at)} ago` : ""), "trainer-state"),
       card("last publish", publish ? `v${publish.version}` : "—",
         !publish ? "no version trained yet" : publish.error ? `failed: ${publish.error}`
           : publish.published_at ? `took ${fmt(publish.seconds, 2)} s, ${age(publish.published_at)} ago`
-            : "not published"),
+            : "not published", "last-publish"),
     );
   }, 2);
 }
@@ -240,6 +307,7 @@ function overviewPage(view) {
 const PAGE = 50;
 
 function sessionsPage(view, params) {
+  const policy = selectedPolicy(params);
   const value = (name) => params.get(name) || "";
   const field = (label, name, attrs = {}) =>
     el("label", {}, label, el("input", { name, value: value(name), ...attrs }));
@@ -254,7 +322,7 @@ function sessionsPage(view, params) {
     el("button", { type: "submit" }, "Apply"));
   const table = el("table", { id: "sessions" });
   const pager = el("div", { class: "pager" });
-  view.append(el("h1", {}, "Sessions"), form, pager, table);
+  view.append(scopeTitle("Sessions", policy), form, pager, table);
 
   const sort = params.get("sort") || "created";
   const order = params.get("order") || "desc";
@@ -293,13 +361,14 @@ function sessionsPage(view, params) {
     for (const name of ["status", "reward_min", "reward_max", "group", "model", "q", "excluded"]) {
       filters[name] = value(name);
     }
-    const page = await api(`/v1/sessions${query({ ...filters, sort, order, limit: PAGE, offset })}`);
+    const page = await api(`/v1/sessions${query({ ...filters, policy, sort, order, limit: PAGE, offset })}`);
     table.replaceChildren(
-      el("thead", {}, el("tr", {}, header("session"), header("status"), header("reward", "reward", "num"),
+      el("thead", {}, el("tr", {}, header("session"), header("policy"), header("status"), header("reward", "reward", "num"),
         header("group"), header("calls", "calls", "num"), header("tokens", "tokens", "num"), header("versions"),
         header("training"), header("age", "created"), header("updated", "updated"))),
       el("tbody", {}, page.data.map((s) => el("tr", { "data-id": s.id },
         el("td", {}, el("a", { href: `#/session/${encodeURIComponent(s.id)}` }, s.id)),
+        el("td", { class: "policy" }, s.policy),
         el("td", {}, s.status === "final" ? "finished" : "open"),
         el("td", { class: "num" }, fmt(s.reward), s.reward_override !== null ? el("span", { class: "badge warn",
           title: "overridden by an admin" }, " override") : ""),
@@ -509,7 +578,7 @@ function sessionPage(view, id) {
       ["override", session.reward_override === null ? "—" : fmt(session.reward_override)],
       ["training", trainingState(session)],
       ["content", session.purged ? `${PURGED[session.purged] || session.purged} ${when(session.purged_at)}` : "kept"],
-      ["group", session.group_id], ["model", session.model || "—"], ["calls", session.calls.length],
+      ["policy", session.policy], ["group", session.group_id], ["model", session.model || "—"], ["calls", session.calls.length],
       ["tokens", session.tokens], ["created", when(session.created_at)], ["updated", when(session.updated_at)],
     ];
     const segments = trajectory.trajectories.map((t, ti) => el("div", { class: "panel" },
@@ -539,12 +608,23 @@ function sessionPage(view, id) {
 
 // ---------- policies ----------
 
-function chart(target, title, xs, ys, timeAxis) {
+const SERIES_COLOURS = ["#2f6fde", "#e67e22", "#16a085", "#8e44ad", "#c0392b", "#7f8c8d", "#d4ac0d"];
+
+// One series per policy (`lines`: name → its trained versions). Each policy numbers its own versions, so
+// the series share the x axis only where their numbers (or times) meet; between its points a series spans
+// the others' x values.
+function chart(target, title, lines, x, timeAxis) {
   target.replaceChildren();
-  if (xs.length === 0) {
+  const names = [...lines.keys()];
+  if (names.length === 0) {
     target.append(el("p", { class: "muted" }, `${title}: no trained versions yet.`));
     return;
   }
+  const xs = [...new Set(names.flatMap((name) => lines.get(name).map(x)))].sort((a, b) => a - b);
+  const ys = names.map((name) => {
+    const at = new Map(lines.get(name).map((p) => [x(p), p.metrics.reward_mean]));
+    return xs.map((v) => (at.has(v) ? at.get(v) : null));
+  });
   const width = Math.min(620, Math.max(320, (target.parentElement.clientWidth || 1200) / 2 - 40));
   // eslint-disable-next-line no-undef
   new uPlot({
@@ -552,9 +632,9 @@ function chart(target, title, xs, ys, timeAxis) {
     scales: { x: { time: timeAxis } },
     axes: [timeAxis ? { label: "time" } : { label: "policy version", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500] },
       { label: "reward mean" }],
-    series: [{ label: timeAxis ? "time" : "version" },
-      { label: "reward mean", stroke: "#2f6fde", width: 2, points: { show: true, size: 6 } }],
-  }, [xs, ys], target);
+    series: [{ label: timeAxis ? "time" : "version" }, ...names.map((name, i) => ({ label: name, spanGaps: true,
+      stroke: SERIES_COLOURS[i % SERIES_COLOURS.length], width: 2, points: { show: true, size: 6 } }))],
+  }, [xs, ...ys], target);
 }
 
 // Where a version's step went, in order (trainer/loop.py `step_times`), then until its first call served.
@@ -582,34 +662,41 @@ function probeBadge(probes) {
     failed.length ? `${failed.length}/${results.length} failed` : `${results.length} ok`);
 }
 
-function policiesPage(view) {
+function policiesPage(view, params) {
+  const policy = selectedPolicy(params);
   const summary = el("p", { id: "policy-sessions" });
   const byVersion = el("div", { class: "chart", id: "chart-version" });
   const byTime = el("div", { class: "chart", id: "chart-time" });
   const table = el("table", { id: "policies" });
-  view.append(el("h1", {}, "Policies"), summary, el("div", { class: "charts" }, byVersion, byTime),
+  view.append(scopeTitle("Policies", policy), summary, el("div", { class: "charts" }, byVersion, byTime),
     el("h2", {}, "Versions"), table);
   let drawn = -1;
   live(async () => {
-    const listed = await api("/v1/policies");
+    const listed = await api(`/v1/policies${query({ policy })}`);
+    const names = listed.policies.map((p) => p.name);
+    if (!policy && names.join() !== state.policies.join()) {  // one created since login: offer it too
+      state.policies = names;
+      showPolicyPick("policies", policy);
+    }
     const s = listed.sessions;
-    summary.textContent = `Serving v${listed.served_version}. Sessions ready for the trainer: ${s.ready}; ` +
+    const serving = Object.entries(listed.served_versions).map(([name, version]) => `${name} v${version}`);
+    summary.textContent = `Serving ${serving.join(", ")}. Sessions ready for the trainer: ${s.ready}; ` +
       `claimed by a step: ${s.leased}; set aside: ${counts(s.set_aside)}.`;
     const trained = listed.data.filter((p) => p.version > 0 && p.metrics.reward_mean !== undefined);
     if (trained.length !== drawn) {  // redraw only when a version appeared
       drawn = trained.length;
-      chart(byVersion, "Reward against policy version", trained.map((p) => p.version),
-        trained.map((p) => p.metrics.reward_mean), false);
-      chart(byTime, "Reward against time", trained.map((p) => Date.parse(p.created_at) / 1000),
-        trained.map((p) => p.metrics.reward_mean), true);
+      const lines = new Map();
+      for (const p of trained) lines.set(p.line, [...(lines.get(p.line) || []), p]);
+      chart(byVersion, "Reward against policy version", lines, (p) => p.version, false);
+      chart(byTime, "Reward against time", lines, (p) => Date.parse(p.created_at) / 1000, true);
     }
     const m = (p, name, digits) => el("td", { class: "num" }, fmt(p.metrics[name], digits));
     table.replaceChildren(
-      el("thead", {}, el("tr", {}, ["version", "created", "kind", "reward mean", "advantage spread", "loss", "KL",
+      el("thead", {}, el("tr", {}, ["policy", "version", "created", "kind", "reward mean", "advantage spread", "loss", "KL",
         "entropy", "clip fraction", "samples", "set aside", "staleness", "step time (s)", "probe", "published"]
         .map((h) => el("th", {}, h)))),
-      el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version },
-        el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
+      el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version, "data-line": p.line },
+        el("td", {}, p.line), el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
         m(p, "reward_mean"), m(p, "advantage_std"), m(p, "loss", 4), m(p, "kl", 4), m(p, "entropy"),
         m(p, "clip_fraction"), m(p, "samples"),
         el("td", {}, counts(p.metrics.set_aside)), el("td", {}, counts(p.metrics.staleness)),

@@ -111,11 +111,13 @@ class RunStart:
 
     utc: datetime
     load_average: tuple[float, float, float]
+    git_sha: str | None = None
+    """The checkout's commit when the run began: the code it measured, even if the tree moves on meanwhile."""
 
 
 def run_started() -> RunStart:
     load = os.getloadavg()
-    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]))
+    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]), git_sha())
 
 
 def utc_text(moment: datetime) -> str:
@@ -205,7 +207,7 @@ def provenance(started: RunStart, *, sha: str | None = None) -> dict[str, Any]:
     versions["vllm"], vllm_python = vllm_version()
     listed = gpus()
     return {
-        "git_sha": git_sha(sha),
+        "git_sha": git_sha(sha or started.git_sha),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "gpus": listed,

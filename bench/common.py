@@ -112,12 +112,13 @@ class RunStart:
     utc: datetime
     load_average: tuple[float, float, float]
     git_sha: str | None = None
-    """The checkout's commit when the run began: the code it measured, even if the tree moves on meanwhile."""
+    """The checkout's commit when the process began its first run: the code it measured, even if the tree moves
+    on meanwhile."""
 
 
 def run_started() -> RunStart:
     load = os.getloadavg()
-    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]), git_sha())
+    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]), process_git_sha())
 
 
 def utc_text(moment: datetime) -> str:
@@ -133,8 +134,9 @@ def command_output(cmd: list[str]) -> str | None:
 
 
 def git_sha(explicit: str | None = None) -> str:
-    """`explicit`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when tracked files differ), else
-    "unknown" (a device machine's copy of the tree may have no .git)."""
+    """`explicit`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when tracked files other than results
+    differ: a benchmark run after another has rewritten its results, not the code), else "unknown" (a device
+    machine's copy of the tree may have no .git)."""
     if explicit:
         return explicit
     if os.environ.get("GIT_SHA"):
@@ -142,8 +144,16 @@ def git_sha(explicit: str | None = None) -> str:
     head = command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
     if head is None:
         return "unknown"
-    status = command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    status = command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                             ".", f":!{RESULTS_DIR.relative_to(REPO_ROOT)}"])
     return head + ("+dirty" if status else "")
+
+
+@functools.cache
+def process_git_sha() -> str:
+    """`git_sha()` when this process first asked, before its first measurement: the code it imported. A run
+    in parts asks again at each part, and the checkout may have moved on meanwhile."""
+    return git_sha()
 
 
 def package_version(name: str) -> str | None:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -110,11 +111,14 @@ class RunStart:
 
     utc: datetime
     load_average: tuple[float, float, float]
+    git_sha: str | None = None
+    """The checkout's commit when the process began its first run: the code it measured, even if the tree moves
+    on meanwhile."""
 
 
 def run_started() -> RunStart:
     load = os.getloadavg()
-    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]))
+    return RunStart(datetime.now(UTC), (load[0], load[1], load[2]), process_git_sha())
 
 
 def utc_text(moment: datetime) -> str:
@@ -130,8 +134,9 @@ def command_output(cmd: list[str]) -> str | None:
 
 
 def git_sha(explicit: str | None = None) -> str:
-    """`explicit`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when tracked files differ), else
-    "unknown" (a device machine's copy of the tree may have no .git)."""
+    """`explicit`, else $GIT_SHA, else the checkout's HEAD (marked `+dirty` when tracked files other than results
+    differ: a benchmark run after another has rewritten its results, not the code), else "unknown" (a device
+    machine's copy of the tree may have no .git)."""
     if explicit:
         return explicit
     if os.environ.get("GIT_SHA"):
@@ -139,8 +144,16 @@ def git_sha(explicit: str | None = None) -> str:
     head = command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
     if head is None:
         return "unknown"
-    status = command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    status = command_output(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                             ".", f":!{RESULTS_DIR.relative_to(REPO_ROOT)}"])
     return head + ("+dirty" if status else "")
+
+
+@functools.cache
+def process_git_sha() -> str:
+    """`git_sha()` when this process first asked, before its first measurement: the code it imported. A run
+    in parts asks again at each part, and the checkout may have moved on meanwhile."""
+    return git_sha()
 
 
 def package_version(name: str) -> str | None:
@@ -204,7 +217,7 @@ def provenance(started: RunStart, *, sha: str | None = None) -> dict[str, Any]:
     versions["vllm"], vllm_python = vllm_version()
     listed = gpus()
     return {
-        "git_sha": git_sha(sha),
+        "git_sha": git_sha(sha or started.git_sha),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "gpus": listed,
@@ -364,3 +377,135 @@ class ServerProcess:
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+# ---------------------------------------------------------------- benchmarks in parts
+
+
+@dataclass
+class Part:
+    """One part's section of a results file written in parts: what it ran and from where. A run of some parts
+    rewrites theirs and keeps the others as the file's JSON holds them, each with its own provenance."""
+
+    name: str
+    command: str
+    provenance: dict[str, Any]
+    tables: list[ResultTable] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+    body: str | None = None
+    """Markdown in place of the tables: a section carried over from a results file that had no JSON."""
+
+    def record(self) -> dict[str, Any]:
+        return {"command": self.command, "provenance": self.provenance, "tables": [t.record() for t in self.tables],
+                "notes": self.notes, "raw": self.raw, "body": self.body}
+
+    @classmethod
+    def from_record(cls, name: str, record: dict[str, Any]) -> Part:
+        tables = [ResultTable(t["title"], t["columns"], t["rows"]) for t in record.get("tables", [])]
+        return cls(name, record["command"], record["provenance"], tables, list(record.get("notes", [])),
+                   record.get("raw", {}), record.get("body"))
+
+    def markdown(self, title: str) -> str:
+        info = self.provenance
+        lines = [f"## Part `{self.name}`: {title}", "", f"`{self.command}`", "",
+                 info["machine_line"] if "machine_line" in info else provenance_line(info)]
+        if note := self.provenance.get("note"):
+            lines += ["", f"*{note}*"]
+        lines += ["", self.body if self.body is not None else "\n".join(t.markdown() for t in self.tables)]
+        if self.notes:
+            lines += ["", *[f"- {n}" for n in self.notes]]
+        return "\n".join(lines) + "\n"
+
+
+def parts_argument(parser: argparse.ArgumentParser, parts: dict[str, str]) -> None:
+    """`--parts`: which of the benchmark's parts to run (default all); the others keep their results."""
+    parser.add_argument("--parts", default=",".join(parts), type=lambda text: _parts_of(text, parts),
+                        help=f"comma-separated of {', '.join(parts)} (default all); the results of the parts not "
+                        "run are kept from the current results file")
+
+
+def _parts_of(text: str, parts: dict[str, str]) -> list[str]:
+    chosen = [p for p in text.split(",") if p]
+    if unknown := sorted(set(chosen) - set(parts)):
+        raise argparse.ArgumentTypeError(f"unknown parts {unknown}")
+    if not chosen:
+        raise argparse.ArgumentTypeError("no part named")
+    return [p for p in parts if p in chosen]  # in the benchmark's order, whatever order they were given in
+
+
+def read_parts(name: str, results_dir: Path = RESULTS_DIR) -> dict[str, Part]:
+    """The parts `<name>.json` holds (none when there is no file, or it was not written in parts)."""
+    path = results_dir / f"{name}.json"
+    if not path.exists():
+        return {}
+    held = json.loads(path.read_text()).get("raw", {}).get("parts", {})
+    return {part: Part.from_record(part, record) for part, record in held.items()}
+
+
+def write_parts(
+    name: str,
+    heading: str,
+    titles: dict[str, str],
+    ran: Sequence[Part],
+    *,
+    started: RunStart,
+    results_dir: Path = RESULTS_DIR,
+    intro: Sequence[str] = (),
+) -> Path:
+    """Write `<name>.md` and `<name>.json` with a section per part, in `titles`' order: the parts in `ran` as
+    measured now, every other part as the current `<name>.json` holds it. The JSON's top-level `provenance`
+    (from `started` on), `command`, `tables` and `notes` are this run's (the parts in `ran`); `raw.parts` holds
+    every part with its own command, provenance, tables, notes and raw data, which the next run reads back."""
+    kept = read_parts(name, results_dir)
+    parts = {**kept, **{part.name: part for part in ran}}
+    if unknown := sorted(set(parts) - set(titles)):
+        raise ValueError(f"{name}: parts {unknown} are not among {list(titles)}")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = results_dir / f"{name}.md", results_dir / f"{name}.json"
+    when = [f"`{p}`: {_run_when(parts[p].provenance)}" for p in titles if p in parts]
+    lines = [f"# {heading}", "", *intro, *([""] if intro else []),
+             "Written in parts, each with its own command and provenance (`--parts` runs some and keeps the "
+             "others' results): " + "; ".join(when) + ".", ""]
+    lines += [parts[p].markdown(titles[p]) for p in titles if p in parts]
+    lines += [f"Raw data and provenance: `{json_path.name}`."]
+    md_path.write_text("\n".join(lines) + "\n")
+    document = {"benchmark": name, "heading": heading,
+                "command": " ; ".join(dict.fromkeys(p.command for p in ran)),
+                "provenance": provenance(started),
+                "tables": [t.record() for p in ran for t in p.tables],
+                "notes": [n for p in ran for n in p.notes],
+                "raw": {"parts": {p: parts[p].record() for p in titles if p in parts}}}
+    json_path.write_text(json.dumps(_finite(document), indent=1, default=str, allow_nan=False) + "\n")
+    return md_path
+
+
+def _run_when(info: dict[str, Any]) -> str:
+    if info.get("started_utc"):
+        return f"{info['started_utc']} (git {str(info.get('git_sha'))[:12]})"
+    return str(info.get("recorded", "earlier run"))
+
+
+def carried_part(part: str, source: Path) -> Part:
+    """A part taken unrun from an earlier results file: a `write_results` JSON (its command, tables, notes, raw
+    data and provenance, marked as carried over), or a lone `.md` from before results had JSON (its text below
+    the command line as the section's body, and its machine line as all the provenance there is)."""
+    if source.suffix == ".json":
+        document = json.loads(source.read_text())
+        info = {**document["provenance"], "note": f"Carried over unrun from the earlier run's `{source.name}`."}
+        tables = [ResultTable(t["title"], t["columns"], t["rows"]) for t in document["tables"]]
+        return Part(part, document["command"], info, tables, list(document["notes"]), document["raw"])
+    lines = source.read_text().splitlines()
+    commands = [i for i, line in enumerate(lines) if line.startswith("`python -m")]
+    if not commands:
+        raise ValueError(f"{source}: no command line (`python -m …`) to carry over")
+    at = commands[0]
+    rest = lines[at + 1:]
+    machine = next((line for line in rest if line.strip()), "")
+    body = "\n".join(rest[rest.index(machine) + 1:] if machine else rest).strip()
+    body = body.removesuffix(f"Raw data and provenance: `{source.with_suffix('.json').name}`.").strip()
+    body = re.sub(r"^(#{1,5}) ", r"#\1 ", body, flags=re.MULTILINE)  # its headings one level below the part's
+    info = {"recorded": f"earlier run ({machine})", "machine_line": machine,
+            "note": f"Carried over unrun from the earlier run's `{source.name}`, which had no JSON: no provenance "
+            "beyond its machine line."}
+    return Part(part, lines[at].strip("`"), info, body=body)

@@ -1,20 +1,31 @@
-"""Soak: a long run of mixed agent load on one gateway in front of vLLM (CPU), with a new LoRA version
-published every minute under canary promotion, some of them deliberately broken.
+"""Soak and the canary's sequential test, in two parts: `soak`, a long run of mixed agent load on one gateway
+in front of vLLM (CPU), with a new LoRA version published every minute under canary promotion, some of them
+deliberately broken; `simulated`, the same sequential test (tracetrain/proxy/sequential.py) on simulated
+rewards, no servers: its operating characteristics, at the settings the soak's gateway uses.
 
-What it watches, every `--sample-s` seconds: the gateway's resident memory, open file descriptors and
+    python -m bench.soak --minutes 30                # both parts
+    python -m bench.soak --parts simulated           # the simulated test alone (formerly bench.canary_test)
+
+`soak` watches, every `--sample-s` seconds: the gateway's resident memory, open file descriptors and
 threads, vLLM's memory, and per window of `--window-s` seconds the calls answered and failed and their
 p50 / p99 latency. At the end: every answered call's id looked up in the store (lost = answered but not
-stored, must be 0), and each version's canary decision with its numbers.
+stored, must be 0), and each version's canary decision with its numbers. Agents: `--agents` concurrent
+loops, each session one or two turns, the API rotating over Chat Completions, Responses and Messages,
+streamed and not, with a one-digit sum to answer; the reward is 1 when the answer holds the right number
+(posted as the session's final reward). Versions: LoRA adapters built here on SmolLM2 (rank 8): most are
+small random perturbations ("sound"), every `--broken-every`-th has its weights scaled up until the model
+writes garbage ("broken"). The metric and the pass lines (lost 0, broken versions rolled back, no sound one
+rolled back is reported as is) are fixed here before the run.
 
-Agents: `--agents` concurrent loops, each session one or two turns, the API rotating over Chat
-Completions, Responses and Messages, streamed and not, with a one-digit sum to answer; the reward is
-1 when the answer holds the right number (posted as the session's final reward). Versions: LoRA
-adapters built here on SmolLM2 (rank 8): most are small random perturbations ("sound"), every
-`--broken-every`-th has its weights scaled up until the model writes garbage ("broken"). The metric
-and the pass lines (lost 0, broken versions rolled back, no sound one rolled back is reported as is)
-are fixed here before the run.
+`simulated`: how often a canary better than, equal to or worse than the incumbent is promoted or rolled
+back, and after how many of its sessions. Each new session goes to the canary with probability
+`canary_share`, its final reward is Bernoulli (the incumbent's success rate `--base`, the canary's `--base
++ delta`); the test runs after every `--look-every` new rewards, as the gateway runs it every second. Fixed
+before the run: a rollback of a canary that is not worse by more than the margin is an error, and so is a
+promotion of one worse by more than the margin; the pass line for the first is `promotion.alpha`.
 
-    python -m bench.soak --minutes 30
+Both parts use the gateway's default promotion settings unless `--share`, `--min-sessions`,
+`--max-sessions` or `--margin` override them, and the results say which.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +45,7 @@ from sqlalchemy import text
 
 from bench.common import (
     OUT_DIR,
+    Part,
     ResultTable,
     RunStart,
     ServerProcess,
@@ -40,14 +53,18 @@ from bench.common import (
     command_line,
     console,
     free_port,
+    machine_line,
+    parts_argument,
     percentile,
+    provenance,
     python_cmd,
     run_started,
-    write_results,
+    write_parts,
 )
 from bench.gateway_overhead.apis import APIS
 from bench.gateway_overhead.client import Connection, HTTPFailure
 from tracetrain.config import PromotionConfig
+from tracetrain.proxy.sequential import decide
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a calculator. Reply with the number only."
@@ -236,7 +253,7 @@ def plot(soak: Soak, window_s: float, path: Path) -> None:
 
 
 def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Namespace, command: str,
-           started: RunStart) -> None:
+           started: RunStart) -> Part:
     stored = stored_ids(db_url)
     lost = soak.answered - stored
     windows = ResultTable(f"Per {args.window_s / 60:g}-minute window",
@@ -299,46 +316,89 @@ def report(soak: Soak, policies: dict[str, Any], db_url: str, args: argparse.Nam
     ]
     raw = {"arguments": vars(args), "publishes": soak.publishes, "samples": soak.samples, "policies": policies,
            "lost": sorted(lost), "calls": [[round(c.t, 3), c.status, round(c.latency_s, 4)] for c in soak.calls]}
-    path = write_results("soak", "Soak: mixed agent load, a publish a minute, canary decisions", command,
-                         [total, windows, decisions], notes, raw=raw, started=started, results_dir=args.results_dir)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     plot(soak, args.window_s, args.results_dir / "soak.png")
     for table in (total, windows, decisions):
         console.print(table.rich())
-    console.print(f"wrote {path}")
+    return Part("soak", command, provenance(started), [total, windows, decisions], notes, raw)
 
 
 def _f(value: Any) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--publish-every-s", type=float, default=60.0)
-    parser.add_argument("--broken-every", type=int, default=3)
-    # None: the gateway's own default (PromotionConfig), which is what a user gets and what the soak reports
-    parser.add_argument("--share", type=float, default=None, help="promotion.canary_share (default: the config's)")
-    parser.add_argument("--min-sessions", type=int, default=None, help="promotion.min_sessions (default: the config's)")
-    parser.add_argument("--max-sessions", type=int, default=None, help="promotion.max_sessions (default: the config's)")
-    parser.add_argument("--margin", type=float, default=None, help="promotion.margin (default: the config's)")
-    parser.add_argument("--sample-s", type=float, default=10.0)
-    parser.add_argument("--window-s", type=float, default=180.0)
-    add_results_dir_argument(parser)
-    args = parser.parse_args(argv)
-    defaults = PromotionConfig()
-    overridden = {name: value for name, value in (("canary_share", args.share), ("min_sessions", args.min_sessions),
-                                                  ("max_sessions", args.max_sessions), ("margin", args.margin))
-                  if value is not None}
-    args.share = overridden.get("canary_share", defaults.canary_share)
-    args.min_sessions = overridden.get("min_sessions", defaults.min_sessions)
-    args.max_sessions = overridden.get("max_sessions", defaults.max_sessions)
-    args.margin = overridden.get("margin", defaults.margin)
-    args.promotion_overrides = overridden
-    command = command_line("bench.soak", argv)
-    started = run_started()
+# --- part `simulated`: the sequential test on simulated rewards ------------------------------------------
 
+def run_once(rng: random.Random, p_canary: float, p_incumbent: float, cfg: PromotionConfig, look_every: int,
+             max_total: int) -> tuple[str, int]:
+    canary: list[float] = []
+    incumbent: list[float] = []
+    for n in range(1, max_total + 1):
+        if rng.random() < cfg.canary_share:
+            canary.append(float(rng.random() < p_canary))
+        else:
+            incumbent.append(float(rng.random() < p_incumbent))
+        if n % look_every == 0:
+            result = decide(canary, incumbent, margin=cfg.margin, alpha=cfg.alpha,
+                            min_sessions=cfg.min_sessions, max_sessions=cfg.max_sessions)
+            if result.outcome != "wait":
+                return result.outcome, len(canary)
+    return "wait", len(canary)
+
+
+def simulated_part(args: argparse.Namespace, command: str) -> Part:
+    started = run_started()
+    cfg = PromotionConfig(**args.promotion_overrides)
+    rows: list[dict[str, object]] = []
+    rng = random.Random(args.seed)
+    table = ResultTable(
+        f"Bernoulli rewards, incumbent {args.base}; share {cfg.canary_share}, min {cfg.min_sessions}, max "
+        f"{cfg.max_sessions} canary sessions, margin {cfg.margin}, alpha {cfg.alpha}; "
+        f"{args.runs} runs per row",
+        ["canary − incumbent", "promoted", "rolled back", "undecided", "canary sessions to decide (median)",
+         "decided before the cap", "errors"])
+    max_total = int(cfg.max_sessions / cfg.canary_share * 2)
+    deltas = (0.1, 0.05, 0.0, -0.05, -0.1, -0.2, -0.5)
+    for k, delta in enumerate(deltas, start=1):
+        t0 = time.perf_counter()
+        outcomes = [run_once(rng, min(1.0, max(0.0, args.base + delta)), args.base, cfg, args.look_every, max_total)
+                    for _ in range(args.runs)]
+        promoted = sum(o == "promote" for o, _ in outcomes)
+        rolled = sum(o == "rollback" for o, _ in outcomes)
+        early = sum(o != "wait" and n < cfg.max_sessions for o, n in outcomes)
+        wrong = rolled if delta > -cfg.margin else promoted if delta < -cfg.margin else None
+        rows.append({"delta": delta, "promoted": promoted, "rolled_back": rolled, "decided_before_cap": early,
+                     "errors": wrong, "canary_sessions": [n for _, n in outcomes]})
+        table.add(f"{delta:+.2f}", f"{promoted / args.runs:.1%}", f"{rolled / args.runs:.1%}",
+                  f"{(args.runs - promoted - rolled) / args.runs:.1%}",
+                  f"{statistics.median(n for _, n in outcomes):.0f}", f"{early / args.runs:.1%}",
+                  "–" if wrong is None else f"{wrong / args.runs:.1%}")
+        console.log(f"difference {delta:+.2f} ({k}/{len(deltas)}): {args.runs} runs, "
+                    f"{args.runs / (time.perf_counter() - t0):.1f} runs/s")
+    console.print(table.rich())
+    notes = [
+        ("Promotion settings: the defaults a user gets (PromotionConfig), none overridden." if not
+         args.promotion_overrides else "Promotion settings NOT the defaults: " + ", ".join(
+             f"promotion.{k}={v}" for k, v in args.promotion_overrides.items()) + "."),
+        "A difference of exactly −margin is the boundary: neither decision is an error there.",
+        "The always-valid interval (mSPRT) keeps wrong rollbacks and promotions to at most alpha while it decides "
+        "before the cap; at the cap the mean difference decides, which is where most of the errors come from "
+        "when the difference is within about one standard error of the margin.",
+        "Where it loses: with Bernoulli rewards and a 0.05 margin, 200 canary sessions rarely separate the arms "
+        "by the interval (see 'decided before the cap'); the cap's mean rule then decides. A broken version "
+        "(−0.2 or worse) is rolled back long before the cap.",
+    ]
+    settings = {"share": cfg.canary_share, "min_sessions": cfg.min_sessions,
+                "max_sessions": cfg.max_sessions, "margin": cfg.margin, "alpha": cfg.alpha}
+    raw = {"runs": args.runs, "base": args.base, "look_every": args.look_every, "seed": args.seed,
+           "canary_settings": settings, "rows": rows}
+    return Part("simulated", command, provenance(started), [table], notes, raw)
+
+
+# --- part `soak` ----------------------------------------------------------------------------------------------
+
+def soak_part(args: argparse.Namespace, command: str) -> Part:
+    started = run_started()
     from tracetrain.engines.models import smollm2_dir
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -350,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     cmd = python_cmd("-m", "tracetrain.cli", "serve", "--engine", "vllm", "--served-model-name", MODEL,
                      "--port", str(port), "--db-url", db_url, "--set", "promotion.mode=canary",
                      "--set", "train.publish=lora", "--set", "gateway.log_level=WARNING",
-                     *(arg for name, value in overridden.items() for arg in ("--set", f"promotion.{name}={value}")))
+                     *(arg for name, value in args.promotion_overrides.items()
+                       for arg in ("--set", f"promotion.{name}={value}")))
     server = ServerProcess("soak-gateway", cmd, f"http://127.0.0.1:{port}").start(timeout=900)
     soak = Soak()
     stop_sampling = threading.Event()
@@ -372,7 +433,53 @@ def main(argv: list[str] | None = None) -> None:
         policies = httpx.get(f"{server.url}/v1/policies", timeout=30).json()
     finally:
         server.stop()
-    report(soak, policies, db_url, args, command, started)
+    return report(soak, policies, db_url, args, command, started)
+
+
+PARTS = {"simulated": "the canary's sequential test on simulated rewards (formerly `bench.canary_test`)",
+         "soak": "mixed agent load, a publish a minute, canary decisions"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts_argument(parser, PARTS)
+    # None: the gateway's own default (PromotionConfig), which is what a user gets and what both parts report
+    parser.add_argument("--share", type=float, default=None, help="promotion.canary_share (default: the config's)")
+    parser.add_argument("--min-sessions", type=int, default=None, help="promotion.min_sessions (default: the config's)")
+    parser.add_argument("--max-sessions", type=int, default=None, help="promotion.max_sessions (default: the config's)")
+    parser.add_argument("--margin", type=float, default=None, help="promotion.margin (default: the config's)")
+    load = parser.add_argument_group("part soak")
+    load.add_argument("--minutes", type=float, default=30.0)
+    load.add_argument("--agents", type=int, default=8)
+    load.add_argument("--publish-every-s", type=float, default=60.0)
+    load.add_argument("--broken-every", type=int, default=3)
+    load.add_argument("--sample-s", type=float, default=10.0)
+    load.add_argument("--window-s", type=float, default=180.0)
+    simulated = parser.add_argument_group("part simulated")
+    simulated.add_argument("--runs", type=int, default=400, help="simulated canaries per difference (default 400)")
+    simulated.add_argument("--base", type=float, default=0.5, help="the incumbent's success rate (default 0.5)")
+    simulated.add_argument("--look-every", type=int, default=5, help="new rewards between tests (default 5)")
+    simulated.add_argument("--seed", type=int, default=0)
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    defaults = PromotionConfig()
+    overridden = {name: value for name, value in (("canary_share", args.share), ("min_sessions", args.min_sessions),
+                                                  ("max_sessions", args.max_sessions), ("margin", args.margin))
+                  if value is not None}
+    args.share = overridden.get("canary_share", defaults.canary_share)
+    args.min_sessions = overridden.get("min_sessions", defaults.min_sessions)
+    args.max_sessions = overridden.get("max_sessions", defaults.max_sessions)
+    args.margin = overridden.get("margin", defaults.margin)
+    args.promotion_overrides = overridden
+    command = command_line("bench.soak", argv)
+    console.rule(f"[bold]soak · parts {', '.join(args.parts)}")
+    console.print(machine_line())
+    started = run_started()
+    ran = [{"simulated": simulated_part, "soak": soak_part}[part](args, command) for part in args.parts]
+    path = write_parts("soak", "Soak and the canary's sequential test", PARTS, ran, started=started,
+                       results_dir=args.results_dir)
+    console.print(f"wrote {path} and {path.with_suffix('.json').name}")
 
 
 if __name__ == "__main__":

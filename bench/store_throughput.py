@@ -1,25 +1,38 @@
-"""Committed calls per second through `StoreWriter`, the gateway's single group-commit writer.
+"""The store, in two parts: `writer`, committed calls per second through `StoreWriter`, the gateway's single
+group-commit writer; `growth`, store bytes per call against turn number in long sessions.
 
-Submitters (asyncio tasks, as the gateway's requests are) each own one session and submit, one after
-another, the same write the chat route does (`queries.record_calls`): the session row added if new or
+    python -m bench.store_throughput                         # both parts
+    python -m bench.store_throughput --parts writer [--seconds 4] [--concurrency 1,16,256] [--stores sqlite-full,pg]
+    python -m bench.store_throughput --parts growth [--turns 50] [--sessions 3]
+
+`writer`: submitters (asyncio tasks, as the gateway's requests are) each own one session and submit, one
+after another, the same write the chat route does (`queries.record_calls`): the session row added if new or
 touched, and a realistic `Call` row (500 prompt ids, 100 completion ids with logprobs, a short
 conversation as JSON) with its `seq` kept in memory, as the gateway keeps it. Each submit returns once
 its transaction is committed, so the calls/s here bound the gateway's recorded calls/s, and the submit
-latency is what every answer waits for.
+latency is what every answer waits for. Stores: SQLite in WAL mode with `synchronous=FULL` (the default:
+survives power loss) and `NORMAL` (survives a killed process), both in a fresh file under the temporary
+directory; PostgreSQL in a throwaway cluster (`initdb` + `pg_ctl`, as the tests do) with `fsync=on` and,
+for comparison, `off`.
 
-Stores: SQLite in WAL mode with `synchronous=FULL` (the default: survives power loss) and `NORMAL`
-(survives a killed process), both in a fresh file under the temporary directory; PostgreSQL in a
-throwaway cluster (`initdb` + `pg_ctl`, as the tests do) with `fsync=on` and, for comparison, `off`.
-
-    python -m bench.store_throughput [--seconds 4] [--concurrency 1,16,256] [--stores sqlite-full,pg]
+`growth`: what each call stores now (only the request messages it added) against what it stored before (the
+whole request, as tracetrain 0.1 did). Agents send their whole history with every request. A gateway
+(`tracetrain serve`, in-process tiny model, 12-token replies) records `--sessions` conversations of
+`--turns` turns, each turn adding one user message of about 40 characters and echoing the previous reply.
+Both columns come from the same rows: "before" is the size the row would have with its whole request
+stored (the messages rebuilt by `store/messages.py`, which the test suite checks are exactly what was
+sent), "now" the size stored. Bytes count the call's variable columns as stored: messages and reply JSON,
+token id and logprob blobs, request parameters. (Formerly `bench.store_growth`.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -30,22 +43,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from openai import OpenAI
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from bench.common import (
+    OUT_DIR,
+    Part,
     ResultTable,
+    ServerProcess,
     add_results_dir_argument,
     command_line,
     console,
+    free_port,
     machine_line,
+    parts_argument,
     percentile,
+    provenance,
+    python_cmd,
     run_started,
-    write_results,
+    write_parts,
 )
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
 from tracetrain.store.db import open_db
+from tracetrain.store.messages import full_messages
 from tracetrain.store.models import AgentSession, Call
 from tracetrain.store.writer import StoreWriter, WriteOp
 
@@ -291,33 +314,92 @@ def report(results: list[Result], shape: RowShape) -> ResultTable:
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.store_throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--stores", default=",".join(STORES), help=f"comma-separated of {', '.join(STORES)}")
-    parser.add_argument(
-        "--concurrency", default="1,16,256", help="submitters, comma-separated (default 1,16,256)"
-    )
-    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per config (default 4)")
-    parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds first (default 0.5)")
-    parser.add_argument("--prompt-ids", type=int, default=500)
-    parser.add_argument("--completion-ids", type=int, default=100)
-    add_results_dir_argument(parser)
-    args = parser.parse_args(argv)
+# ---------------------------------------------------------------- part `growth`
+
+
+def row_bytes(call: Call, messages: list[dict[str, Any]]) -> int:
+    return (len(json.dumps(messages)) + len(json.dumps(call.response_message)) + len(call.prompt_ids)
+            + len(call.completion_ids) + len(call.completion_logprobs) + len(json.dumps(call.request_params)))
+
+
+def converse(base_url: str, session: str, turns: int) -> None:
+    client = OpenAI(base_url=f"{base_url}/s/{session}/v1", api_key="unused")
+    history: list[Any] = [{"role": "system", "content": "You are a patient assistant who answers in one line."}]
+    for turn in range(turns):
+        history.append({"role": "user", "content": f"Turn {turn}: one more idea on topic {turn * 7 % 13}?"})
+        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, seed=turn)
+        history.append(reply.choices[0].message.model_dump(exclude_none=True))
+
+
+def growth(turns: int, sessions: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """(before, now): each call's bytes by turn, with its whole request stored and as stored."""
+    from tracetrain.engines.models import tiny_model_dir
+
+    out = OUT_DIR / "store_growth"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    db_url = f"sqlite:///{(out / 'store.db').resolve()}"
+    port = free_port()
+    server = ServerProcess("store_growth_gateway",
+                           python_cmd("-m", "tracetrain.cli", "serve", "--engine", "transformers", "--model",
+                                      str(tiny_model_dir()), "--served-model-name", "tiny", "--port", str(port),
+                                      "--db-url", db_url), f"http://127.0.0.1:{port}")
+    with console.status("starting the gateway on the tiny model…"):
+        server.start()
+    try:
+        for k in range(sessions):
+            t0 = time.perf_counter()
+            converse(f"http://127.0.0.1:{port}", f"long-{k}", turns)
+            console.log(f"session {k + 1}/{sessions}: {turns} turns, {turns / (time.perf_counter() - t0):.1f} "
+                        "calls/s")
+    finally:
+        server.stop()
+    before: dict[int, list[int]] = {}
+    now: dict[int, list[int]] = {}
+    with Session(open_db(db_url)) as db:
+        for k in range(sessions):
+            calls = list(queries.session_calls(db, session_id=f"long-{k}"))
+            by_id = {c.id: c for c in calls}
+            for turn, call in enumerate(calls, start=1):
+                before.setdefault(turn, []).append(row_bytes(call, full_messages(call, by_id)))
+                now.setdefault(turn, []).append(row_bytes(call, call.messages))
+    return before, now
+
+
+def growth_part(args: argparse.Namespace, command: str) -> Part:
+    started = run_started()
+    before, now = growth(args.turns, args.sessions)
+    table = ResultTable(f"bytes per call by turn (mean over {args.sessions} sessions)",
+                        ["turn", "before (whole request)", "now (what the call added)", "ratio"])
+    for turn in sorted({1, 2, 5, 10, 20, 30, 40, args.turns} & set(before)):
+        b, n = statistics.fmean(before[turn]), statistics.fmean(now[turn])
+        table.add(turn, f"{b:,.0f}", f"{n:,.0f}", f"{n / b:.2f}")
+    total_before = sum(sum(v) for v in before.values()) / args.sessions
+    total_now = sum(sum(v) for v in now.values()) / args.sessions
+    table.add("whole session", f"{total_before:,.0f}", f"{total_now:,.0f}", f"{total_now / total_before:.2f}")
+    console.print(table.rich())
+    later = [statistics.fmean(now[t]) for t in range(2, args.turns + 1) if t in now]
+    notes = [f"now, turns 2-{args.turns}: {min(later):,.0f}-{max(later):,.0f} bytes per call (flat: the reply "
+             "echoed back, one new message, and the prompt tokens the chain does not already hold)" if later else
+             "one turn only: nothing to compare",
+             "the first call of a session and a call whose request rewrote earlier history (a new segment, no "
+             "parent) store the whole request; after a gateway restart the parent's messages are read back from "
+             "the store, so compaction carries on"]
+    raw = {"turns": args.turns, "sessions": args.sessions,
+           "bytes_by_turn": {turn: {"before": before[turn], "now": now[turn]} for turn in sorted(before)}}
+    return Part("growth", command, provenance(started), [table], notes, raw)
+
+
+# ---------------------------------------------------------------- part `writer`
+
+
+def writer_part(args: argparse.Namespace, command: str) -> Part:
     stores = [s for s in args.stores.split(",") if s]
-    unknown = set(stores) - set(STORES)
-    if unknown:
-        parser.error(f"unknown stores: {', '.join(sorted(unknown))}")
     if any(s.startswith("pg") for s in stores) and shutil.which("initdb") is None:
         console.print("[yellow]initdb not found: skipping PostgreSQL")
         stores = [s for s in stores if not s.startswith("pg")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     shape = RowShape(args.prompt_ids, args.completion_ids)
-    console.rule("[bold]store throughput")
-    console.print(machine_line())
     started = run_started()
     results = run(stores, concurrencies, args.seconds, args.warmup, shape)
     table = report(results, shape)
@@ -328,16 +410,49 @@ def main(argv: list[str] | None = None) -> None:
         "next seq",
         "submit latency = from submit() to the commit that contains it; mean batch = ops per transaction",
         "each op is the chat route's write (`queries.record_calls`: two Core statements, seq kept in memory)",
-        f"files under {tempfile.gettempdir()}; one machine with shared cores: compare rows, not machines",
+        "files under the temporary directory; one machine with shared cores: compare rows, not machines",
     ]
     raw = {"shape": asdict(shape), "stores": STORES,
            "results": [{"store": r.store, "concurrency": r.concurrency, "committed": r.committed,
                         "seconds": r.seconds, "batches": r.batches, "calls_per_s": r.rate,
                         "submit_ms": {f"p{q}": percentile(r.latencies, q) * 1000 for q in (50, 90, 99)}}
                        for r in results]}
-    path = write_results("store_throughput", "Store throughput", command_line("bench.store_throughput", argv), [table],
-                         notes, raw=raw, started=started, results_dir=args.results_dir)
-    console.print(f"written to {path}")
+    return Part("writer", command, provenance(started), [table], notes, raw)
+
+
+PARTS = {"writer": "committed calls/s through the store's writer",
+         "growth": "store bytes per call in long sessions (formerly `bench.store_growth`)"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.store_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parts_argument(parser, PARTS)
+    writer = parser.add_argument_group("part writer")
+    writer.add_argument("--stores", default=",".join(STORES), help=f"comma-separated of {', '.join(STORES)}")
+    writer.add_argument("--concurrency", default="1,16,256", help="submitters, comma-separated (default 1,16,256)")
+    writer.add_argument("--seconds", type=float, default=4.0, help="measured seconds per config (default 4)")
+    writer.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds first (default 0.5)")
+    writer.add_argument("--prompt-ids", type=int, default=500)
+    writer.add_argument("--completion-ids", type=int, default=100)
+    grow = parser.add_argument_group("part growth")
+    grow.add_argument("--turns", type=int, default=50, help="turns per session (default 50)")
+    grow.add_argument("--sessions", type=int, default=3, help="sessions (default 3)")
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    if unknown := set(s for s in args.stores.split(",") if s) - set(STORES):
+        parser.error(f"unknown stores: {', '.join(sorted(unknown))}")
+    command = command_line("bench.store_throughput", argv)
+    console.rule(f"[bold]store throughput · parts {', '.join(args.parts)}")
+    console.print(machine_line())
+    started = run_started()
+    ran = [{"writer": writer_part, "growth": growth_part}[part](args, command) for part in args.parts]
+    path = write_parts("store_throughput", "Store throughput and growth", PARTS, ran, started=started,
+                       results_dir=args.results_dir)
+    console.print(f"written to {path} and {path.with_suffix('.json').name}")
 
 
 if __name__ == "__main__":

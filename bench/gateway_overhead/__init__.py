@@ -9,6 +9,10 @@ completion id the gateway answered with is looked up in its store.
 
     python -m bench.gateway_overhead                   # fixed upstream, concurrency 1, 16, 64
     python -m bench.gateway_overhead --upstream vllm   # real vLLM, small counts
+    python -m bench.gateway_overhead --parts redaction # redaction's CPU per call and the detectors only
+
+Two parts (`--parts overhead,redaction`, both by default), one results file: `overhead` is the run above;
+`redaction` times the serving core's redaction steps in this process, no servers (module `redaction`).
 
 One job per module, in the order a run uses them:
 
@@ -21,5 +25,6 @@ One job per module, in the order a run uses them:
 - `load`: the load generator (targets, phases, rounds) and its per-target statistics;
 - `cpu`: CPU seconds of process groups and threads, read from /proc;
 - `store_check`: received completion ids against the store's `calls`;
-- `report`: the result tables and notes.
+- `report`: the result tables and notes;
+- `redaction`: the part `redaction`.
 """

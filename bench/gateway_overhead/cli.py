@@ -1,4 +1,5 @@
-"""`python -m bench.gateway_overhead`: the flags, and one run from the servers' start to the results file."""
+"""`python -m bench.gateway_overhead`: the flags, and one run from the servers' start to the results file, in two
+parts: `overhead` (the load generator against direct and gateway targets) and `redaction` (its own module)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ from pathlib import Path
 
 from bench.common import (
     OUT_DIR,
+    Part,
     ServerProcess,
     add_results_dir_argument,
     command_line,
     console,
     machine_line,
+    parts_argument,
+    provenance,
     run_started,
-    write_results,
+    write_parts,
 )
 from bench.gateway_overhead import __doc__ as PACKAGE_DOC
 from bench.gateway_overhead.apis import APIS
 from bench.gateway_overhead.cpu import gateway_meters
 from bench.gateway_overhead.load import LoadRunner, Plan, Target
+from bench.gateway_overhead.redaction import redaction_part
 from bench.gateway_overhead.report import gateway_name, notes, raw, report
 from bench.gateway_overhead.servers import (
     UPSTREAMS,
@@ -36,6 +41,8 @@ from bench.gateway_overhead.store_check import check_stores
 from bench.gateway_overhead.workload import MODEL_NAME, Workload
 
 NAME = "gateway_overhead"
+PARTS = {"overhead": "what the gateway adds on top of the upstream",
+         "redaction": "redaction's CPU per call and the detectors (formerly `bench.gateway_overhead.redaction`)"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for the gateway, e.g. TRACETRAIN_STORE__SQLITE_SYNCHRONOUS=NORMAL (repeatable)")
     p.add_argument("--phase-timeout", type=float, default=180.0, help="stop sending in a phase after this (s)")
+    p.add_argument("--redaction-rounds", type=int, default=30,
+                   help="part redaction: sessions timed per conversation length and mode (default 30)")
+    parts_argument(p, PARTS)
     add_results_dir_argument(p)
     return p
 
@@ -90,6 +100,17 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    command = command_line("bench.gateway_overhead", argv)
+    console.rule(f"[bold]gateway overhead · parts {', '.join(args.parts)}")
+    console.print(machine_line())
+    started = run_started()
+    ran = [overhead_part(args, command) if part == "overhead" else redaction_part(args, command)
+           for part in args.parts]
+    path = write_parts(NAME, "Gateway overhead", PARTS, ran, started=started, results_dir=args.results_dir)
+    console.print(f"written to {path} and {path.with_suffix('.json').name}")
+
+
+def overhead_part(args: argparse.Namespace, command: str) -> Part:
     vllm = args.upstream == "vllm"
     plan = plan_of(args)
     workload = Workload(tag=f"bench{int(time.time())}", max_tokens=args.max_tokens, prompt_words=args.prompt_words,
@@ -108,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = smollm2_dir()
     tmp = Path(tempfile.mkdtemp(prefix="tt-bench-"))
     db_url = args.db_url or f"sqlite:///{tmp / 'gateway.db'}"
-    console.rule(f"[bold]gateway overhead · {args.upstream} upstream · {args.sessions} sessions")
-    console.print(machine_line())
+    console.rule(f"[bold]part overhead · {args.upstream} upstream · {args.sessions} sessions")
     started = run_started()
     upstream: Upstream | None = None
     gateways: dict[str, ServerProcess] = {}
@@ -155,7 +175,5 @@ def main(argv: list[str] | None = None) -> None:
     tables = report(results, plan, check, args.upstream, vias)
     for table in tables:
         console.print(table.rich())
-    path = write_results(NAME, "Gateway overhead", command_line("bench.gateway_overhead", argv), tables,
-                         notes(args, plan, len(vias), elapsed, worker_counts, gateway_env),
-                         raw=raw(results, check, args), started=started, results_dir=args.results_dir)
-    console.print(f"written to {path} and {path.with_suffix('.json').name}")
+    return Part("overhead", command, provenance(started), tables,
+                notes(args, plan, len(vias), elapsed, worker_counts, gateway_env), raw(results, check, args))

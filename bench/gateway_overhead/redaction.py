@@ -1,6 +1,7 @@
-"""Redaction's share of the gateway's work: CPU per call, and the detectors' table on the test corpus.
+"""Part `redaction` of `python -m bench.gateway_overhead`: redaction's share of the gateway's work, CPU per call,
+and the detectors' table on the test corpus.
 
-    python -m bench.gateway_overhead.redaction
+    python -m bench.gateway_overhead --parts redaction
 
 The CPU is the serving core's redaction steps for one chat call (proxy/redact.py: the request's messages,
 then the reply, the token masks and the state hashes), timed in this process on the same user messages
@@ -16,10 +17,9 @@ import argparse
 import json
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, ResultTable, console, run_started, write_results
+from bench.common import REPO_ROOT, Part, ResultTable, console, provenance, run_started
 from bench.gateway_overhead.workload import SYSTEM_PROMPT, Workload
 from tracetrain.proxy.redact import chat_states, keep_call, redact_request
 from tracetrain.proxy.render import ChatRenderer, canonical_message
@@ -81,12 +81,8 @@ def cpu_per_call(renderer: ChatRenderer, mode: str, sessions: list[list[list[dic
     return (time.process_time() - started) / len(calls) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--prompt-words", type=int, default=150)
-    parser.add_argument("--results-dir", type=Path, default=None)
-    args = parser.parse_args()
+def redaction_part(args: argparse.Namespace, command: str) -> Part:
+    """`--redaction-rounds` sessions of 1 and of 8 turns per mode, on `--prompt-words`-word user messages."""
     started = run_started()
     from transformers import AutoTokenizer
 
@@ -97,28 +93,26 @@ def main() -> None:
     workload = Workload("redaction", 64, args.prompt_words, 1)
     cpu = ResultTable("Redaction CPU per chat call (µs, this process)", ["conversation", "off", "redact",
                                                                         "added", "redact, 2 secrets a message"])
-    raw: dict[str, Any] = {"cpu_us": {}}
+    raw: dict[str, Any] = {"rounds": args.redaction_rounds, "prompt_words": args.prompt_words, "cpu_us": {}}
     for turns in (1, 8):
-        clean = [_conversation(workload, turns, False, r * turns) for r in range(args.rounds)]
-        dirty = [_conversation(workload, turns, True, r * turns) for r in range(args.rounds)]
+        t0 = time.perf_counter()
+        clean = [_conversation(workload, turns, False, r * turns) for r in range(args.redaction_rounds)]
+        dirty = [_conversation(workload, turns, True, r * turns) for r in range(args.redaction_rounds)]
         off = cpu_per_call(renderer, "off", clean, reply_ids)
         on = cpu_per_call(renderer, "redact", clean, reply_ids)
         secrets = cpu_per_call(renderer, "redact", dirty, reply_ids)
         label = "1 turn" if turns == 1 else f"{turns} turns (mean over the turns)"
         cpu.add(label, f"{off:.0f}", f"{on:.0f}", f"{on - off:.0f}", f"{secrets:.0f}")
         raw["cpu_us"][str(turns)] = {"off": off, "redact": on, "redact_secrets": secrets}
+        calls = 3 * args.redaction_rounds * turns
+        console.log(f"redaction, {turns}-turn sessions: {calls} calls timed, "
+                    f"{calls / (time.perf_counter() - t0):.0f} calls/s")
     detectors, counts = detector_table()
     raw["detectors"] = {k: dict(v) for k, v in counts.items()}
     for table in (cpu, detectors):
         console.print(table.rich())
-    kwargs = {"results_dir": args.results_dir} if args.results_dir else {}
     notes = [f"{args.prompt_words}-word user messages from the load generator's workload, a {len(reply_ids)}-token "
              "reply; `off` hashes the chain only, as every call does.",
              "Accepted: national phone numbers without a country code are missed; short base64 blobs and "
              "four-part version numbers are false positives (tests/unit/test_redaction_detectors.py)."]
-    write_results("redaction", "Redaction: CPU per call and detectors", "python -m bench.gateway_overhead.redaction",
-                  [cpu, detectors], notes, raw=raw, started=started, **kwargs)
-
-
-if __name__ == "__main__":
-    main()
+    return Part("redaction", command, provenance(started), [cpu, detectors], notes, raw)

@@ -283,18 +283,24 @@ def write_results(
     md_path.write_text("\n".join(parts) + "\n")
     document = {"benchmark": name, "heading": heading, "command": command, "provenance": info,
                 "tables": [t.record() for t in tables], "notes": list(notes), "raw": raw}
-    json_path.write_text(json.dumps(_finite(document), indent=1, default=str, allow_nan=False) + "\n")
+    json_path.write_text(json.dumps(_json_safe(document), indent=1, default=str, allow_nan=False) + "\n")
     return md_path
 
 
-def _finite(value: Any) -> Any:
-    """NaN and infinities (a percentile of no samples, a rate over no time) as null: JSON has no NaN."""
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities (a percentile of no samples, a rate over no time) as null: JSON has no NaN. Paths
+    under the repository become relative to it, and the home directory `~`: a results file names no
+    directory of the machine it ran on."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        return value.replace(f"{REPO_ROOT}/", "").replace(str(REPO_ROOT), ".").replace(str(Path.home()), "~")
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [_json_safe(v) for v in value]
     return value
 
 
@@ -476,7 +482,7 @@ def write_parts(
                 "tables": [t.record() for p in ran for t in p.tables],
                 "notes": [n for p in ran for n in p.notes],
                 "raw": {"parts": {p: parts[p].record() for p in titles if p in parts}}}
-    json_path.write_text(json.dumps(_finite(document), indent=1, default=str, allow_nan=False) + "\n")
+    json_path.write_text(json.dumps(_json_safe(document), indent=1, default=str, allow_nan=False) + "\n")
     return md_path
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import (
+    REPO_ROOT,
     Part,
     ResultTable,
     carried_part,
@@ -42,6 +43,16 @@ def test_write_results_puts_tables_raw_and_provenance_side_by_side(tmp_path: Pat
     markdown = md_path.read_text()
     assert markdown.startswith("# A demo\n") and "| a \\| b | 12.5 |" in markdown
     assert f"git {info['git_sha'][:12]}" in markdown and "- a note" in markdown and "`demo.json`" in markdown
+
+
+def test_results_name_no_directory_of_the_machine_they_ran_on(tmp_path: Path) -> None:
+    raw = {"results_dir": REPO_ROOT / "bench" / "results", "root": str(REPO_ROOT),
+           "cache": [f"{Path.home()}/.cache/model"], "elsewhere": "/srv/data"}
+    md_path = write_results("demo", "A demo", "cmd", [], [], raw=raw, started=run_started(), results_dir=tmp_path)
+
+    document = json.loads(md_path.with_suffix(".json").read_text())
+    assert document["raw"] == {"results_dir": "bench/results", "root": ".", "cache": ["~/.cache/model"],
+                               "elsewhere": "/srv/data"}
 
 
 def test_write_results_keeps_provenance_recorded_elsewhere(tmp_path: Path) -> None:

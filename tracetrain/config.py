@@ -836,7 +836,11 @@ class Config(BaseSettings):
     @property
     def admission_limit(self) -> int:
         """Ready plus in-flight sessions above which `gateway.admission: staleness` holds new sessions."""
-        return max(1, round(self.gateway.admission_batches * self.train.batch_sessions))
+        return self.admission_limit_for(self.train.batch_sessions)
+
+    def admission_limit_for(self, batch_sessions: int) -> int:
+        """The same for a named policy that trains on batches of its own size."""
+        return max(1, round(self.gateway.admission_batches * batch_sessions))
 
 
 _YAML_FILE: ContextVar[Path | None] = ContextVar("tracetrain_yaml_file", default=None)

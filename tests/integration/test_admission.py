@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 from sqlmodel import Session
 
+from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
 from tracetrain.config import TrainConfig
 from tracetrain.store import leases
@@ -24,7 +25,7 @@ from tracetrain.store.db import open_db
 
 @pytest.fixture
 def admitting(tiny_engine: Any, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
-    running = start_gateway(tiny_engine, tiny_model_path, f"sqlite:///{tmp_path / 'adm.db'}",
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'adm.db'}",
                             gateway={"admission": "staleness", "admission_wait_s": 1.0},
                             train=TrainConfig(batch_sessions=2, min_sessions=1))
     yield running
@@ -76,3 +77,49 @@ def test_new_sessions_wait_for_the_trainer_and_running_ones_never_do(admitting: 
                                        settle_s=30)) >= 2
     held.join(timeout=10)
     assert answered and answered[0] - claimed_at < 2.0, "the held session started once the batch was claimed"
+
+
+@pytest.fixture
+def admitting_policies(tiny_engine: Any, tiny_model_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
+    running = start_gateway(RecordingEngine(tiny_engine), tiny_model_path, f"sqlite:///{tmp_path / 'adm-policies.db'}",
+                            gateway={"admission": "staleness", "admission_wait_s": 1.0, "admission_batches": 1.0,
+                                     "policies": [{"name": "busy"},
+                                                  {"name": "quiet", "settings": {"batch_sessions": 3}}]},
+                            train=TrainConfig(batch_sessions=2, min_sessions=1))
+    yield running
+    running.stop()
+
+
+def _ask_policy(gw: RunningGateway, policy: str, session: str) -> Any:
+    client = OpenAI(base_url=f"{gw.url}/p/{policy}/s/{session}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_each_policy_is_admitted_against_its_own_limit(admitting_policies: RunningGateway) -> None:
+    gw = admitting_policies
+    _ask_policy(gw, "busy", "b1")
+    _ask_policy(gw, "busy", "b2")  # busy's limit: one batch of the config's 2
+    with pytest.raises(openai.RateLimitError) as refused:
+        _ask_policy(gw, "busy", "b3")
+    assert refused.value.response.json()["error"]["code"] == "admission_full"
+    assert "of policy 'busy'" in refused.value.response.json()["error"]["message"]
+
+    began = time.monotonic()
+    for session in ("q1", "q2", "q3"):  # a full busy policy holds no other policy's agents
+        _ask_policy(gw, "quiet", session)
+    _ask(gw, "d1", "gd")  # nor the default policy's
+    assert time.monotonic() - began < 1.0, "nothing waited for the busy policy's room"
+    with pytest.raises(openai.RateLimitError):  # quiet's own limit: one batch of its own batch_sessions, 3
+        _ask_policy(gw, "quiet", "q4")
+
+    _finish(gw, "q1", "q2", "q3")  # final and ready: still quiet's work, until a trainer claims it
+    with pytest.raises(openai.RateLimitError):
+        _ask_policy(gw, "quiet", "q5")
+    with Session(open_db(gw.gateway.config.store.url)) as db:
+        assert leases.ready_count(db, policy="quiet") == 3 and leases.ready_count(db, policy="busy") == 0
+        claimed = leases.claim_groups(db, trainer_id="elsewhere", want=3, lease_s=60, min_version=None,
+                                      settle_s=0, policy="quiet")
+    assert len(claimed) == 3
+    _ask_policy(gw, "quiet", "q5")  # the trainer took quiet's batch: room for quiet again
+    with pytest.raises(openai.RateLimitError):  # and none for busy, whose sessions still run
+        _ask_policy(gw, "busy", "b4")

@@ -8,6 +8,11 @@ room by claiming) plus the sessions this gateway admitted and that are still run
 sessions already running are never held, nor are siblings of an explicit group admitted moments
 ago (a GRPO group is admitted whole), nor requests marked `X-Admission: bypass` (evaluation).
 
+Each named policy is admitted on its own: its ready and running sessions against its own limit (from its
+own `batch_sessions` where it sets one), with its own step interval in `Retry-After`. The trainer steps
+each policy on its own batches, so one policy's backlog says nothing about another's staleness, and a busy
+policy must not hold a quiet one's agents.
+
 The same bound as AReaL's `max_head_offpolicyness` (Fu et al. 2025, "AReaL: A Large-Scale
 Asynchronous Reinforcement Learning System for Language Reasoning"), counted per batch of ready
 plus in-flight sessions rather than cumulatively, and tighter by default: our trainer takes the
@@ -17,8 +22,8 @@ freshest sessions first, so anything admitted beyond one batch ages while newer 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
+from dataclasses import dataclass
 
 from cachetools import TTLCache
 from sqlalchemy.engine import Engine as DBEngine
@@ -27,7 +32,8 @@ from sqlmodel import Session
 from tracetrain.config import Config
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.metrics import GatewayMetrics
-from tracetrain.store import leases
+from tracetrain.store import leases, policy_lines
+from tracetrain.store.models import DEFAULT_POLICY
 
 POLL_S = 0.25
 """How often held requests look for room (one store count per interval, shared by all of them)."""
@@ -36,62 +42,86 @@ SIBLING_WINDOW_S = 10.0
 MAX_TRACKED = 1_000_000
 
 
+@dataclass(frozen=True)
+class _Count:
+    ready: int
+    limit: int
+    retry_after: int
+    at: float
+
+
 class Admission:
     def __init__(self, config: Config, db: DBEngine, metrics: GatewayMetrics) -> None:
         self.enabled = config.gateway.admission == "staleness"
-        self.limit = config.admission_limit
+        self.config = config
         self.wait_s = config.gateway.admission_wait_s
         self.db = db
         self.metrics = metrics
-        self.in_flight: TTLCache[str, bool] = TTLCache(MAX_TRACKED, ttl=config.train.group_settle_s)
-        """Sessions admitted here and not final; one idle for `group_settle_s` counts as abandoned."""
+        self.in_flight: dict[str, TTLCache[str, bool]] = {}
+        """Per policy: sessions admitted here and not final; one idle for `group_settle_s` counts as abandoned."""
         self.groups: TTLCache[str, bool] = TTLCache(MAX_TRACKED, ttl=SIBLING_WINDOW_S)
-        self._ready = 0
-        self._ready_at = -math.inf
-        self._retry_after = 5
+        self._counts: dict[str, _Count] = {}
         self._lock = asyncio.Lock()
 
-    async def admit(self, session_id: str, group_id: str | None, *, bypass: bool = False) -> None:
-        """Return once a new session may start; raise 429 after `gateway.admission_wait_s` without room."""
-        if not self.enabled or bypass or session_id in self.in_flight:
+    async def admit(self, session_id: str, group_id: str | None, *, policy: str = DEFAULT_POLICY,
+                    bypass: bool = False) -> None:
+        """Return once a new session of `policy` may start; raise 429 after `gateway.admission_wait_s` without
+        room."""
+        if not self.enabled or bypass or self._running(session_id) is not None:
             return
         deadline = time.monotonic() + self.wait_s
         self.metrics.admission_held.inc()
         try:
-            while not (group_id in self.groups or await self._room()):
+            while not (group_id in self.groups or await self._room(policy)):
                 if time.monotonic() >= deadline:
                     self.metrics.admission_refused.inc()
-                    raise APIError(429, f"The trainer has {self.limit} sessions ready or running already "
-                                   f"(admission: staleness); retry in about {self._retry_after} s.",
-                                   code="admission_full", headers={"Retry-After": str(self._retry_after)})
+                    count = self._counts[policy]
+                    whose = "" if policy == DEFAULT_POLICY else f" of policy '{policy}'"
+                    raise APIError(429, f"The trainer has {count.limit} sessions{whose} ready or running already "
+                                   f"(admission: staleness); retry in about {count.retry_after} s.",
+                                   code="admission_full", headers={"Retry-After": str(count.retry_after)})
                 await asyncio.sleep(POLL_S)
         finally:
             self.metrics.admission_held.dec()
-        self.in_flight[session_id] = True
+        self._flying(policy)[session_id] = True
         if group_id is not None:
             self.groups.setdefault(group_id, True)
 
     def touch(self, session_id: str) -> None:
         """A later call of a session: it is still running."""
-        if session_id in self.in_flight:
-            self.in_flight[session_id] = True
+        if (policy := self._running(session_id)) is not None:
+            self.in_flight[policy][session_id] = True
 
     def finished(self, session_id: str) -> None:
         """Its final reward is stored: it now counts as ready (read fresh from the store next time)."""
-        if self.in_flight.pop(session_id, None) is not None:
-            self._ready_at = -math.inf
+        if (policy := self._running(session_id)) is not None:
+            self.in_flight[policy].pop(session_id, None)
+            self._counts.pop(policy, None)
 
-    async def _room(self) -> bool:
+    def _running(self, session_id: str) -> str | None:
+        """The policy of a session admitted here and still running, or None."""
+        return next((policy for policy, flying in self.in_flight.items() if session_id in flying), None)
+
+    def _flying(self, policy: str) -> TTLCache[str, bool]:
+        if policy not in self.in_flight:
+            self.in_flight[policy] = TTLCache(MAX_TRACKED, ttl=self.config.train.group_settle_s)
+        return self.in_flight[policy]
+
+    async def _room(self, policy: str) -> bool:
         async with self._lock:
-            if time.monotonic() - self._ready_at >= POLL_S:
-                self._ready, self._retry_after = await asyncio.to_thread(self._count)
-                self._ready_at = time.monotonic()
+            count = self._counts.get(policy)
+            if count is None or time.monotonic() - count.at >= POLL_S:
+                count = self._counts[policy] = await asyncio.to_thread(self._count, policy)
         # No await between this check and the caller's insert: concurrent waiters cannot overshoot.
-        return self._ready + len(self.in_flight) < self.limit
+        return count.ready + len(self._flying(policy)) < count.limit
 
-    def _count(self) -> tuple[int, int]:
+    def _count(self, policy: str) -> _Count:
         with Session(self.db) as db:
-            ready = leases.ready_count(db)
-            times = leases.recent_policy_times(db, limit=6)
+            ready = leases.ready_count(db, policy=policy)
+            times = leases.recent_policy_times(db, limit=6, line=policy)
+            line = policy_lines.get(db, name=policy) if policy != DEFAULT_POLICY else None
+        batch = (line.settings if line is not None else {}).get("batch_sessions", self.config.train.batch_sessions)
+        limit = self.config.admission_limit_for(int(batch))
         steps = [(a - b).total_seconds() for a, b in zip(times, times[1:], strict=False)]
-        return ready, max(1, min(60, round(sum(steps) / len(steps)))) if steps else 5
+        retry_after = max(1, min(60, round(sum(steps) / len(steps)))) if steps else 5
+        return _Count(ready, limit, retry_after, time.monotonic())

@@ -168,7 +168,7 @@ async def prepare(gw: Gateway, spec: CallSpec, *, caller: Caller) -> Turn:
     if stored is None:
         # Siblings are admitted together only in groups the agent named; a prompt-hash group can be
         # every session of an agent that asks the same thing.
-        await gw.admission.admit(session_id, spec.binding.group_id, bypass=spec.bypass_admission)
+        await gw.admission.admit(session_id, spec.binding.group_id, policy=policy, bypass=spec.bypass_admission)
     else:
         gw.admission.touch(session_id)
     if spec.prompt_ids is not None:

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -484,6 +484,22 @@ def write_parts(
                 "raw": {"parts": {p: parts[p].record() for p in titles if p in parts}}}
     json_path.write_text(json.dumps(_json_safe(document), indent=1, default=str, allow_nan=False) + "\n")
     return md_path
+
+
+PartRunner = Callable[[argparse.Namespace, str], Part]
+"""Runs one part of a benchmark from its parsed arguments and the command line the results file names."""
+
+
+def run_parts(name: str, heading: str, titles: dict[str, str], runners: dict[str, PartRunner],
+              args: argparse.Namespace, command: str) -> Path:
+    """Run the parts `args.parts` names, in the benchmark's order, and write the results file in parts."""
+    console.rule(f"[bold]{name} · parts {', '.join(args.parts)}")
+    console.print(machine_line())
+    started = run_started()
+    ran = [runners[part](args, command) for part in args.parts]
+    path = write_parts(name, heading, titles, ran, started=started, results_dir=args.results_dir)
+    console.print(f"wrote {path} and {path.with_suffix('.json').name}")
+    return path
 
 
 def _run_when(info: dict[str, Any]) -> str:

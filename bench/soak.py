@@ -53,13 +53,12 @@ from bench.common import (
     command_line,
     console,
     free_port,
-    machine_line,
     parts_argument,
     percentile,
     provenance,
     python_cmd,
+    run_parts,
     run_started,
-    write_parts,
 )
 from bench.gateway_overhead.apis import APIS
 from bench.gateway_overhead.client import Connection, HTTPFailure
@@ -472,15 +471,8 @@ def main(argv: list[str] | None = None) -> None:
     args.max_sessions = overridden.get("max_sessions", defaults.max_sessions)
     args.margin = overridden.get("margin", defaults.margin)
     args.promotion_overrides = overridden
-    command = command_line("bench.soak", argv)
-    console.rule(f"[bold]soak · parts {', '.join(args.parts)}")
-    console.print(machine_line())
-    started = run_started()
-    ran = [{"simulated": simulated_part, "soak": soak_part}[part](args, command) for part in args.parts]
-    path = write_parts("soak", "Soak and the canary's sequential test", PARTS, ran, started=started,
-                       results_dir=args.results_dir)
-    console.print(f"wrote {path} and {path.with_suffix('.json').name}")
-
+    run_parts("soak", "Soak and the canary's sequential test", PARTS,
+              {"simulated": simulated_part, "soak": soak_part}, args, command_line("bench.soak", argv))
 
 if __name__ == "__main__":
     main()

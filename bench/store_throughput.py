@@ -57,13 +57,12 @@ from bench.common import (
     command_line,
     console,
     free_port,
-    machine_line,
     parts_argument,
     percentile,
     provenance,
     python_cmd,
+    run_parts,
     run_started,
-    write_parts,
 )
 from tracetrain.store import queries
 from tracetrain.store.codec import encode_floats, encode_ids
@@ -445,15 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if unknown := set(s for s in args.stores.split(",") if s) - set(STORES):
         parser.error(f"unknown stores: {', '.join(sorted(unknown))}")
-    command = command_line("bench.store_throughput", argv)
-    console.rule(f"[bold]store throughput · parts {', '.join(args.parts)}")
-    console.print(machine_line())
-    started = run_started()
-    ran = [{"writer": writer_part, "growth": growth_part}[part](args, command) for part in args.parts]
-    path = write_parts("store_throughput", "Store throughput and growth", PARTS, ran, started=started,
-                       results_dir=args.results_dir)
-    console.print(f"written to {path} and {path.with_suffix('.json').name}")
-
+    run_parts("store_throughput", "Store throughput and growth", PARTS,
+              {"writer": writer_part, "growth": growth_part}, args, command_line("bench.store_throughput", argv))
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,10 @@ from bench.common import (
     add_results_dir_argument,
     command_line,
     console,
-    machine_line,
     parts_argument,
     provenance,
+    run_parts,
     run_started,
-    write_parts,
 )
 from bench.gateway_overhead import __doc__ as PACKAGE_DOC
 from bench.gateway_overhead.apis import APIS
@@ -100,14 +99,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    command = command_line("bench.gateway_overhead", argv)
-    console.rule(f"[bold]gateway overhead · parts {', '.join(args.parts)}")
-    console.print(machine_line())
-    started = run_started()
-    ran = [overhead_part(args, command) if part == "overhead" else redaction_part(args, command)
-           for part in args.parts]
-    path = write_parts(NAME, "Gateway overhead", PARTS, ran, started=started, results_dir=args.results_dir)
-    console.print(f"written to {path} and {path.with_suffix('.json').name}")
+    run_parts(NAME, "Gateway overhead", PARTS, {"overhead": overhead_part, "redaction": redaction_part}, args,
+              command_line("bench.gateway_overhead", argv))
 
 
 def overhead_part(args: argparse.Namespace, command: str) -> Part:

@@ -11,8 +11,8 @@ It runs twice: with the trainer's `FairScheduler` (least recently stepped first 
 ready), and with a greedy rule for contrast (the line with the most ready sessions first), the rule a
 trainer that only looks at the queue would follow.
 
-    python -m bench.policy_scheduler --quiet-rate 2  # 60 s per scheduler: 20 and 2 sessions/s
-    python -m bench.policy_scheduler --seconds 20    # a quick look
+    python -m bench.policies --quiet-rate 2  # 60 s per scheduler: 20 and 2 sessions/s
+    python -m bench.policies --seconds 20    # a quick look
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def main() -> None:
         "offered shows how far it did. The two runs follow each other on a shared machine: their step times "
         "differ with its load.",
     ]
-    path = write_results("policy_scheduler", "The trainer's scheduler with one policy at 10× the traffic of another",
-                         "python -m bench.policy_scheduler" + (f" --seconds {args.seconds:g}"
+    path = write_results("policies", "The trainer's scheduler with one policy at 10× the traffic of another",
+                         "python -m bench.policies" + (f" --seconds {args.seconds:g}"
                                                                 if args.seconds != 60 else "")
                          + (f" --quiet-rate {args.quiet_rate:g}" if args.quiet_rate != 1 else ""),
                          [table], notes, raw=raw, started=started, results_dir=args.results_dir)

@@ -480,15 +480,16 @@ async def publishes_under_load(client: httpx.AsyncClient, url: str, planned: Seq
     load = Load(client, url, POLICIES[:PUBLISH_POLICIES], args.concurrency)
     events = []
     try:
+        await asyncio.sleep(args.warmup)
         for policy, version, path in planned:
             await asyncio.sleep(args.publish_gap)
             began = time.perf_counter()
             await publish(client, url, policy, version, path)
             events.append(PublishEvent(policy, version, began, time.perf_counter()))
             console.log(f"published {policy} v{version} in {events[-1].seconds:.2f} s under load")
-        await asyncio.sleep(args.publish_gap)  # the last one's next calls
+        await asyncio.sleep(args.publish_gap)
     finally:
-        await load.stop(cancel=True)
+        await load.stop()  # the calls in flight answered: the last publish's policy has its next call
     return windows(load.records, events, args.publish_gap), sum(1 for c in load.records if c.status != 200)
 
 
@@ -544,6 +545,13 @@ def serving_part(args: argparse.Namespace) -> Part:
     return serving_report(measured, args, seconds)
 
 
+def _next_version(window: PublishWindow) -> str:
+    if window.next_version is None:
+        return "no call after"
+    return f"v{window.next_version}" + ("" if window.next_version == window.version and not window.old_after
+                                        else f" ({window.old_after} old after)")
+
+
 def serving_report(measured: dict[str, Any], args: argparse.Namespace, seconds: float) -> Part:
     scaling = ResultTable(f"Serving: active policies on one vLLM, {args.concurrency} closed-loop clients, "
                           f"{MAX_TOKENS}-token chat calls, {seconds:g} s per run; mean (min-max) over runs",
@@ -574,7 +582,7 @@ def serving_report(measured: dict[str, Any], args: argparse.Namespace, seconds: 
                    f"{max(w.gap_ms_before for w in ws):.0f}", f"{max(w.gap_ms_during for w in ws):.0f}",
                    len(before), f"{percentile(before, 50):.0f}", len(inflight), f"{percentile(inflight, 50):.0f}",
                    sum(w.answered_during for w in ws),
-                   f"v{ws[0].next_version}" + ("" if new else " (old!)") if len(ws) == 1 else f"{new} of {len(ws)} new")
+                   _next_version(ws[0]) if len(ws) == 1 else f"{new} of {len(ws)} new")
 
     for w in published:
         row(f"{w.policy} v{w.version}", [w], f"{w.publish_s:.2f}")

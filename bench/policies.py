@@ -439,7 +439,8 @@ class PublishWindow:
     next_version: int | None = None
     """`X-Policy-Version` of the published policy's first call sent after the publish returned."""
     old_after: int = 0
-    """The published policy's calls sent after the publish returned that report another version (must be 0)."""
+    """The published policy's calls sent after the publish returned that report an older version (must be 0; a
+    later publish of the same policy serves a newer one)."""
 
 
 def _gaps(calls: Sequence[CallRecord]) -> list[tuple[float, float]]:
@@ -468,7 +469,7 @@ def windows(records: Sequence[CallRecord], events: Sequence[PublishEvent], lookb
             gap_ms_before=1000 * max((b - a for a, b in gaps if a >= begin and b <= event.start), default=0.0),
             gap_ms_during=1000 * max((b - a for a, b in gaps if a < event.end and b > event.start), default=0.0),
             next_version=after[0].version if after else None,
-            old_after=sum(1 for c in after if c.version != event.version)))
+            old_after=sum(1 for c in after if c.version is None or c.version < event.version)))
         previous_end = event.end
     return result
 

@@ -56,3 +56,9 @@ def test_the_window_before_a_publish_starts_after_the_previous_one_and_old_versi
     assert [round(x) for x in second.before_ms] == [200]  # not the call before the first publish
     assert (second.next_version, second.old_after) == (1, 1)
     assert first.next_version is None
+
+
+def test_a_later_version_of_the_same_policy_is_not_counted_as_old() -> None:
+    records = [_call("a", 1.0, 1.5, version=2), _call("a", 3.0, 3.5, version=3)]
+    first, _ = windows(records, [PublishEvent("a", 2, 0.0, 0.5), PublishEvent("a", 3, 2.0, 2.5)], lookback=10)
+    assert (first.next_version, first.old_after) == (2, 0)

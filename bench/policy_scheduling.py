@@ -1,24 +1,9 @@
-"""The trainer's scheduler when one named policy gets 10× the traffic of another (issue 32).
-
-The real trainer loop (trainer/loop.py: batch gathering, LoRA step per policy's adapter on one base model,
-checkpoint, version record) runs on the tiny random model against a real SQLite store, while a feeder thread
-writes finished, rewarded sessions into the store in real time: policy `busy` at ten times the rate of
-policy `quiet`, more than the trainer can step, so `busy` always has a batch ready. Each step's line, start
-time and sessions are noted; a quiet batch's wait is from the moment its `batch_sessions`-th session was
-ready to the start of the step that trained it.
-
-It runs twice: with the trainer's `FairScheduler` (least recently stepped first among lines with a batch
-ready), and with a greedy rule for contrast (the line with the most ready sessions first), the rule a
-trainer that only looks at the queue would follow.
-
-    python -m bench.policy_scheduler --quiet-rate 2  # 60 s per scheduler: 20 and 2 sessions/s
-    python -m bench.policy_scheduler --seconds 20    # a quick look
-"""
+"""The `scheduler` part of `bench.policies`: which named policy the one trainer steps next when one gets 10×
+the traffic of another (see bench/policies.py)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import tempfile
 import threading
@@ -30,12 +15,11 @@ from typing import Any
 from sqlmodel import Session
 
 from bench.common import (
+    Part,
     ResultTable,
-    add_results_dir_argument,
     console,
-    machine_line,
+    provenance,
     run_started,
-    write_results,
 )
 from tracetrain.config import TrainConfig
 from tracetrain.engines.models import tiny_model_dir
@@ -48,7 +32,6 @@ from tracetrain.trainer.loop import Line, Trainer
 from tracetrain.trainer.scheduler import Demand, FairScheduler
 
 BATCH = 4
-
 
 class GreedyScheduler(FairScheduler):
     """For contrast: the due line with the most ready sessions first."""
@@ -86,7 +69,8 @@ def _feed(db_url: str, rates: dict[str, float], stop: threading.Event, ready_at:
         stop.wait(0.05)
 
 
-def run(scheduler: FairScheduler, seconds: float, rates: dict[str, float], workdir: Path) -> dict[str, Any]:
+def run_scheduler(scheduler: FairScheduler, seconds: float, rates: dict[str, float],
+                  workdir: Path) -> dict[str, Any]:
     db_url = f"sqlite:///{workdir / 'store.db'}"
     db = open_db(db_url)
     with Session(db) as s:
@@ -132,26 +116,21 @@ def run(scheduler: FairScheduler, seconds: float, rates: dict[str, float], workd
             "order": "".join("B" if s["line"] == "busy" else "q" for s in steps)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long each scheduler runs")
-    parser.add_argument("--quiet-rate", type=float, default=1.0, help="quiet's sessions per second (busy: 10×)")
-    add_results_dir_argument(parser)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    console.print(machine_line())
+
+def scheduler_part(args: argparse.Namespace, command: str) -> Part:
     started = run_started()
+    seconds = args.seconds or 60.0
     rates = {"busy": 10 * args.quiet_rate, "quiet": args.quiet_rate}
-    raw: dict[str, Any] = {"rates_sessions_per_s": rates, "batch_sessions": BATCH, "seconds": args.seconds}
-    table = ResultTable(f"Two policies, {rates['busy']:g} and {rates['quiet']:g} sessions/s, {BATCH} sessions "
-                        f"per step, {args.seconds:g} s each", ["scheduler", "busy steps", "quiet steps",
-                                                               "quiet sessions trained / offered",
-                                                               "quiet wait p50 s", "quiet wait max s",
-                                                               "busy sessions trained / offered", "step p50 s"])
-    for name, scheduler in (("fair (least recently stepped)", FairScheduler()), ("greedy (most ready)",
-                                                                                 GreedyScheduler())):
+    raw: dict[str, Any] = {"rates_sessions_per_s": rates, "batch_sessions": BATCH, "seconds": seconds}
+    table = ResultTable(f"Scheduler: two policies, {rates['busy']:g} and {rates['quiet']:g} sessions/s, {BATCH} "
+                        f"sessions per step, {seconds:g} s each",
+                        ["scheduler", "busy steps", "quiet steps", "quiet sessions trained / offered",
+                         "quiet wait p50 s", "quiet wait max s", "busy sessions trained / offered", "step p50 s"])
+    for name, scheduler in (("fair (least recently stepped)", FairScheduler()),
+                            ("greedy (most ready)", GreedyScheduler())):
+        console.rule(f"scheduler: {name}, {seconds:g} s")
         with tempfile.TemporaryDirectory() as tmp:
-            result = run(scheduler, args.seconds, rates, Path(tmp))
+            result = run_scheduler(scheduler, seconds, rates, Path(tmp))
         raw[name] = result
         quiet = result["waits_s"]["quiet"]
         table.add(name, result["steps"]["busy"], result["steps"]["quiet"],
@@ -160,26 +139,18 @@ def main() -> None:
                   f"{max(quiet):.2f}" if quiet else "-",
                   f"{result['steps']['busy'] * BATCH} / {result['sessions_offered']['busy']}",
                   f"{result['step_seconds_p50']:.2f}" if result["step_seconds_p50"] else "-")
-    console.print(table.rich())
     notes = [
-        "Driven through the real trainer loop (trainer/loop.py) on the tiny random Llama "
+        "Scheduler: driven through the real trainer loop (trainer/loop.py) on the tiny random Llama "
         "(tracetrain.engines.models.tiny_model_dir), LoRA rank 4, one adapter and optimizer per policy on one "
         "base model, against a real SQLite store; a feeder thread writes finished rewarded sessions in real time.",
-        "Quiet wait: from the moment a quiet batch's last needed session was ready to the start of the step that "
-        "trained it. Under fair turns it is at most about one busy step plus the scheduler's poll; under the "
-        "greedy rule the quiet line steps only when the busy one's queue happens to be shorter.",
-        "Sessions offered: written by the feeder during the run. The busy rate is meant to exceed what the "
-        "trainer steps, so that the busy line has a batch ready at nearly every turn; busy sessions trained / "
-        "offered shows how far it did. The two runs follow each other on a shared machine: their step times "
-        "differ with its load.",
+        "Scheduler, quiet wait: from the moment a quiet batch's last needed session was ready to the start of the "
+        "step that trained it. Under fair turns it is at most about one busy step plus the scheduler's poll; "
+        "under the greedy rule the quiet line steps only when the busy one's queue happens to be shorter.",
+        "Scheduler, sessions offered: written by the feeder during the run. The busy rate is meant to exceed what "
+        "the trainer steps, so that the busy line has a batch ready at nearly every turn; busy sessions trained / "
+        "offered shows how far it did. The two runs follow each other: their step times differ with the "
+        "machine's load.",
     ]
-    path = write_results("policy_scheduler", "The trainer's scheduler with one policy at 10× the traffic of another",
-                         "python -m bench.policy_scheduler" + (f" --seconds {args.seconds:g}"
-                                                                if args.seconds != 60 else "")
-                         + (f" --quiet-rate {args.quiet_rate:g}" if args.quiet_rate != 1 else ""),
-                         [table], notes, raw=raw, started=started, results_dir=args.results_dir)
-    console.print(f"wrote {path}")
+    return Part("scheduler", command, provenance(started), [table], notes, raw)
 
 
-if __name__ == "__main__":
-    main()

@@ -21,8 +21,8 @@ reaches every arm. Then, under the same load over four policies, new versions ar
 another (each a new adapter loaded into the running vLLM), and the other policies' traffic while each
 publish is in progress is compared with the window before it; the published policy's next calls must
 report the new `X-Policy-Version`. The adapters carry the probe a trainer writes beside a checkpoint
-(engines/probe.py), but a publish scores it only with `--probe`: vLLM's CPU build fails computing prompt
-logprobs under an adapter while other LoRA requests share the batch, and the engine dies.
+(engines/probe.py), but a publish scores it only with `--probe`, as the committed results were measured:
+the probe then scored `prompt_logprobs`, which killed vLLM's CPU build beside other LoRA requests.
 
 `learning`: `tracetrain demo --two-policies` over seeds (bench/policy_learning.py says what is measured and
 the criteria fixed before the runs): policy `first` rewarded for naming the option asked first, `second` for
@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--publishes", type=int, default=6, help="serving: versions published under load")
     p.add_argument("--publish-gap", type=float, default=15.0, help="serving: seconds of load between publishes")
     p.add_argument("--probe", action="store_true",
-                   help="serving: publishes score the adapter's probe (engine.publish_probe); off by default: "
-                        "vLLM on CPU fails scoring it beside other LoRA requests (see the results' notes)")
+                   help="serving: publishes score the adapter's probe (engine.publish_probe); off by default, as "
+                        "the committed results were measured")
     policy_learning.add_arguments(p)
     add_results_dir_argument(p)
     return p

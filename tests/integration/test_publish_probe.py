@@ -9,6 +9,7 @@ wrong adapter, the old one or the base model looks like from the gateway.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import shutil
 from collections.abc import AsyncIterator
@@ -32,7 +33,8 @@ from tracetrain.engines.replica_publish import UNKNOWN_WEIGHTS, ReplicaPublisher
 from tracetrain.engines.replicas import Replica, ReplicaSet  # noqa: E402
 from tracetrain.engines.vllm import VLLMEngine  # noqa: E402
 from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher  # noqa: E402
-from tracetrain.engines.vllm_server import http_client  # noqa: E402
+from tracetrain.engines.vllm_server import async_http_client, http_client  # noqa: E402
+from tracetrain.store.models import DEFAULT_POLICY  # noqa: E402
 from tracetrain.trainer.step import SampledLogits, token_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.vllm]
@@ -55,14 +57,14 @@ def probe_ids(smollm2_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def adapters(base: Any, probe_ids: list[int], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """`right`: an adapter with its own probe. `wrong`: adapter 2's files with adapter 3's probe."""
+    """`right` and `other`: adapters with their own probes. `wrong`: adapter 2's files with `other`'s probe."""
     root = tmp_path_factory.mktemp("probe")
     right, other, wrong = (save_lora(base, root / name, seed=seed) for name, seed in
                            (("right", 1), ("other", 3), ("wrong", 2)))
     for path in (right, other):
         write_probe(path, probe_for(PeftModel.from_pretrained(copy.deepcopy(base), str(path)), probe_ids))
     shutil.copy(other / "probe.json", wrong / "probe.json")
-    return {"right": right, "wrong": wrong}
+    return {"right": right, "wrong": wrong, "other": other}
 
 
 @pytest.fixture
@@ -77,7 +79,7 @@ async def test_a_replica_serving_the_trainers_adapter_passes(replicas: ReplicaSe
                                  probe=ProbeCheck("float32"))
     await publisher.publish(Checkpoint(1, adapters["right"], "lora"))
     engine = replicas.replicas[0].engine
-    figures = publisher.probes[1][engine.base_url]
+    figures = publisher.probes[(DEFAULT_POLICY, 1)][engine.base_url]
     print(f"probe of the right adapter: {figures}")
     assert figures["ok"] and float(figures["mean_diff"]) < TOLERANCE["float32"]
     assert (engine.version, engine.served_model) == (1, "probe-v1")
@@ -91,7 +93,7 @@ async def test_a_replica_serving_another_adapter_is_taken_out(replicas: ReplicaS
     await publisher.publish(Checkpoint(1, adapters["right"], "lora"))
     with pytest.raises(PublishError, match="probe does not match"):
         await publisher.publish(Checkpoint(2, adapters["wrong"], "lora"))
-    figures = publisher.probes[2][engine.base_url]
+    figures = publisher.probes[(DEFAULT_POLICY, 2)][engine.base_url]
     print(f"probe of the wrong adapter: {figures}")
     # A wrong adapter is far outside even bfloat16's wider tolerance, not a rounding matter.
     assert not figures["ok"] and float(figures["mean_diff"]) > TOLERANCE["bfloat16"]
@@ -99,6 +101,32 @@ async def test_a_replica_serving_another_adapter_is_taken_out(replicas: ReplicaS
     assert replicas.router.up == [False]
     assert "probe does not match" in (replicas.replicas[0].reason or "")
     assert {"probe_failed", "publish_failed", "down"} <= {e.event for e in replicas.events}
+
+
+async def test_a_policys_probe_is_scored_while_another_adapters_calls_run(replicas: ReplicaSet,
+                                                                          adapters: dict[str, Path]) -> None:
+    """A named policy published beside another adapter's traffic: the probe shares vLLM's batches with LoRA
+    calls of another adapter, which `prompt_logprobs` mis-scores, and on which vLLM's CPU build dies (vLLM
+    #16668). The probe must pass, and every call must be answered."""
+    engine = replicas.replicas[0].engine
+    publisher = ReplicaPublisher(replicas, [VLLMLoRAPublisher(engine, prefix="probe")], probe=ProbeCheck("float32"))
+    await publisher.publish(Checkpoint(1, adapters["right"], "lora"))
+
+    async def call(i: int) -> int:
+        async with async_http_client(engine.base_url, timeout=120) as client:
+            response = await client.post("/v1/completions", json={
+                "model": "probe-v1", "prompt": f"Count to {i + 20}:", "max_tokens": 48, "temperature": 1.0})
+        return response.status_code
+
+    traffic = [asyncio.create_task(call(i)) for i in range(8)]
+    await asyncio.sleep(0.5)  # the calls are decoding when the policy's adapter is loaded and probed
+    await publisher.publish_line(Checkpoint(1, adapters["other"], "lora", line="support"))
+    assert await asyncio.gather(*traffic) == [200] * 8
+    figures = publisher.probes[("support", 1)][engine.base_url]
+    print(f"probe under another adapter's traffic: {figures}")
+    assert figures["ok"] and float(figures["mean_diff"]) < TOLERANCE["float32"]
+    assert replicas.router.up == [True]
+    assert engine.line_versions().get("support") == 1
 
 
 async def test_a_full_reload_that_serves_other_weights_is_taken_out(

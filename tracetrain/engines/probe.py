@@ -2,10 +2,16 @@
 
 The trainer scores a fixed sequence of tokens with the new weights and writes the logprobs into the
 checkpoint it publishes (`probe.json`, next to the weights or adapter). After loading a version, the
-publisher asks the replica to score the same tokens (`prompt_logprobs` of `/v1/completions`, under the
-adapter's name for LoRA) and compares. A replica whose logprobs differ by more than the tolerance for
-the dtype it serves is not switched to the version: it is taken out of routing, and the reason is
-recorded in the replica's events and on the version's row. This catches swaps that silently keep the
+publisher asks the replica to score the same tokens (under the adapter's name for LoRA) and compares.
+Each scored position is a one-token generation request forced to the probe's next token
+(`allowed_token_ids`), whose logprob vLLM reports from the model's raw logits: the generation path, not
+`prompt_logprobs`, because vLLM maps LoRA adapters to prompt logprobs per sequence instead of per token
+when other adapters share the batch (vLLM issue #16668): the scores come out wrong, and vLLM's CPU build
+dies of it, which a publish beside other policies' traffic would otherwise trigger.
+
+A replica whose logprobs differ by more than the tolerance for the dtype it serves is not switched to the
+version: it is taken out of routing, and the reason is recorded in the replica's events and on the
+version's row. This catches swaps that silently keep the
 old adapter or the base model, a known failure of peer systems.
 
 The comparison is the mean absolute difference over the scored tokens, so one token with an unlucky
@@ -15,6 +21,7 @@ per dtype the engine serves in; the same weights scored by torch and by vLLM dif
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,17 +90,36 @@ def compare(expected: list[float], served: list[float], tolerance: float) -> Pro
     return ProbeResult(sum(diffs) / len(diffs), max(diffs), tolerance)
 
 
-async def served_logprobs(engine: VLLMEngine, model: str, token_ids: list[int], *,
+PROBE_POSITIONS = 16
+"""Positions of the probe each replica scores, spread over the whole sequence: a wrong adapter or stale
+weights move every token, so a handful of positions shows them as well as all of them would."""
+
+
+def probe_positions(length: int, count: int = PROBE_POSITIONS) -> list[int]:
+    """Indices of the tokens (after the first) whose logprobs are compared, evenly spread, in order."""
+    if length < 2:
+        raise ValueError("a probe needs at least two tokens")
+    count = min(count, length - 1)
+    return sorted({1 + round(k * (length - 2) / max(1, count - 1)) for k in range(count)})
+
+
+async def served_logprobs(engine: VLLMEngine, model: str, token_ids: list[int], positions: list[int], *,
                           timeout: float = 120.0) -> list[float]:
-    """The replica's logprob of each token after the first, scored by `model` (a LoRA adapter's name, or the
-    base model's for full weights)."""
-    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    """The replica's logprob of `token_ids[i]` after `token_ids[:i]`, for each of `positions`, scored by `model`
+    (a LoRA adapter's name, or the base model's for full weights): one forced one-token generation each."""
     async with async_http_client(engine.base_url, timeout=timeout) as client:
-        response = await client.post("/v1/completions", json=body)
-    if response.status_code != 200:
-        raise RuntimeError(f"the probe request failed with {response.status_code}: {response.text[:300]}")
-    scored = response.json()["choices"][0]["prompt_logprobs"]
-    return [float(scored[i][str(token_ids[i])]["logprob"]) for i in range(1, len(token_ids))]
+        responses = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": model, "prompt": token_ids[:i], "max_tokens": 1, "temperature": 0.0, "logprobs": 0,
+            "allowed_token_ids": [token_ids[i]]}) for i in positions))
+    scores = []
+    for i, response in zip(positions, responses, strict=True):
+        if response.status_code != 200:
+            raise RuntimeError(f"the probe request failed with {response.status_code}: {response.text[:300]}")
+        choice = response.json()["choices"][0]["logprobs"]
+        if choice["tokens"] and choice["token_logprobs"][0] is None:
+            raise RuntimeError(f"the probe request at position {i} returned no logprob")
+        scores.append(float(choice["token_logprobs"][0]))
+    return scores
 
 
 class ProbeCheck:
@@ -110,5 +136,6 @@ class ProbeCheck:
         probe = read_probe(directory)
         if probe is None:
             return None
-        served = await served_logprobs(engine, model, probe.token_ids)
-        return compare(probe.logprobs, served, self.tolerance)
+        positions = probe_positions(len(probe.token_ids))
+        served = await served_logprobs(engine, model, probe.token_ids, positions)
+        return compare([probe.logprobs[i - 1] for i in positions], served, self.tolerance)

@@ -71,8 +71,9 @@ class ReplicaPublisher:
         """Set when other gateway processes may send to these replicas: full-weight reloads go through it."""
         self.probe = probe
         """Checks each replica's logprobs against the trainer's after a load (engines/probe.py)."""
-        self.probes: dict[int, dict[str, dict[str, float | bool]]] = {}
-        """Probe figures by version, then by replica URL: what the gateway records on the version's row."""
+        self.probes: dict[tuple[str, int], dict[str, dict[str, float | bool]]] = {}
+        """Probe figures by (policy line, version), then by replica URL: what the gateway records on the
+        version's row."""
         self._lock = asyncio.Lock()
         replicas.catch_up = self.catch_up
 
@@ -331,8 +332,7 @@ class ReplicaPublisher:
             return
         figures = {"ok": result.ok, "mean_diff": result.mean_diff, "max_diff": result.max_diff,
                    "tolerance": result.tolerance}
-        if checkpoint.line == DEFAULT_POLICY:  # what the gateway records on the default line's version rows
-            self.probes.setdefault(checkpoint.version, {})[replica.url] = figures
+        self.probes.setdefault((checkpoint.line, checkpoint.version), {})[replica.url] = figures
         what = f"version {checkpoint.version}" + ("" if checkpoint.line == DEFAULT_POLICY else
                                                   f" of policy {checkpoint.line!r}")
         self.replicas.record(index, "probe_ok" if result.ok else "probe_failed", f"{what}: {result.describe()}")

@@ -83,9 +83,13 @@ class PublishController:
             try:
                 await self._load(checkpoint)
             finally:
-                if probes := getattr(self.publisher, "probes", {}).get(checkpoint.version):
-                    await self._writer.submit(lambda db: versions.record_probes(db, version=checkpoint.version,
-                                                                               probes=probes))
+                await self._record_probes(checkpoint)
+
+    async def _record_probes(self, checkpoint: Checkpoint) -> None:
+        """The publish probe's figures by replica, on the version's row, whether the publish held or not."""
+        if probes := getattr(self.publisher, "probes", {}).get((checkpoint.line, checkpoint.version)):
+            await self._writer.submit(lambda db: versions.record_probes(
+                db, version=checkpoint.version, probes=probes, line=checkpoint.line))
 
     async def _publish_line(self, checkpoint: Checkpoint) -> None:
         """A named policy's version, served at once to that policy's requests."""
@@ -103,7 +107,10 @@ class PublishController:
                                f"its served version {served}.", code="stale_version")
             if self._engine_sleep is not None:
                 await self._engine_sleep.wake()
-            await cast(LinePublisher, self.publisher).publish_line(checkpoint)
+            try:
+                await cast(LinePublisher, self.publisher).publish_line(checkpoint)
+            finally:
+                await self._record_probes(checkpoint)
         await self._writer.submit(lambda db: versions.mark_published(
             db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="immediate",
             line=checkpoint.line))

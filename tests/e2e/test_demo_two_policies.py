@@ -44,9 +44,13 @@ def test_two_policy_demo_trains_each_policy_on_its_own_agent(tmp_path: Path) -> 
     assert (tmp_path / "reward.png").stat().st_size > 10_000
     with pytest.raises(httpx.TransportError):  # the demo stopped the gateway it started
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-    # The store keeps every session under the policy its agent's path named, and only there.
+    # The store keeps every session under the policy its agent's path named, and only there; each policy's
+    # newest version is the one its evaluation was served; the default policy, with no traffic, never trained.
     with Session(open_db(f"sqlite:///{tmp_path / 'store.db'}")) as db:
         for policy, other in (("first", "second"), ("second", "first")):
             ids = queries.all_session_ids(db, policy=policy)  # the agents name their sessions after their policy
             assert sum(i.startswith(f"{policy}-") for i in ids) == 32
             assert not any(i.startswith(f"{other}-") for i in ids)
+            newest = queries.latest_published(db, line=policy)
+            assert newest is not None and [newest.version] == summary["after"][policy]["versions"]
+        assert queries.latest_published(db) is None

@@ -24,10 +24,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, Part, ResultTable, console, provenance, run_started
+from bench.common import OUT_DIR, Part, ResultTable, console, provenance, run_started, utc_text
 
 POLICIES = {"first": "second", "second": "first"}
 """Each policy and the other policy's rewarded option."""
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def part(args: argparse.Namespace, command: str) -> Part:
     """Every seed's run (or the finished one kept, with `--keep-runs`), and the tables."""
     started = run_started()
-    runs = []
+    runs, kept = [], []
     for seed in args.seeds:
         out = OUT_DIR / "policies-learning" / f"seed-{seed}"
         done = out / "summary.json"
@@ -52,10 +53,13 @@ def part(args: argparse.Namespace, command: str) -> Part:
                 ["--episodes", str(args.episodes)]:
             console.log(f"seed {seed}: kept the finished run in {out}")
             runs.append(json.loads(done.read_text()))
+            kept.append(f"seed {seed} finished {utc_text(datetime.fromtimestamp(done.stat().st_mtime, UTC))}")
         else:
             runs.append(run_seed(seed, args.episodes, out))
     tables, notes = report(runs)
-    return Part("learning", command, provenance(started), tables, notes, {"runs": runs})
+    if kept:
+        notes.append(f"runs kept from earlier (`--keep-runs`; the provenance line is this report's): {', '.join(kept)}")
+    return Part("learning", command, provenance(started), tables, notes, {"runs": runs, "kept": kept})
 
 
 def run_seed(seed: int, episodes: int, out: Path) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from bench.policy_serving import ARMS, POLICIES, serving_part
 PARTS = {
     "scheduler": "the trainer's turns when one policy gets 10× the traffic of another",
     "serving": "throughput and latency of N active policies on one vLLM, and a publish under load",
-    "learning": "two policies on one base model learning opposite rules (SmolLM2, vLLM, 3 seeds)",
+    "learning": "two policies on one base model learning opposite rules (SmolLM2 on vLLM, over seeds)",
 }
 
 

@@ -115,10 +115,10 @@ async def served_logprobs(engine: VLLMEngine, model: str, token_ids: list[int], 
     for i, response in zip(positions, responses, strict=True):
         if response.status_code != 200:
             raise RuntimeError(f"the probe request failed with {response.status_code}: {response.text[:300]}")
-        choice = response.json()["choices"][0]["logprobs"]
-        if choice["tokens"] and choice["token_logprobs"][0] is None:
+        logprob = ((response.json()["choices"][0].get("logprobs") or {}).get("token_logprobs") or [None])[0]
+        if logprob is None:
             raise RuntimeError(f"the probe request at position {i} returned no logprob")
-        scores.append(float(choice["token_logprobs"][0]))
+        scores.append(float(logprob))
     return scores
 
 

@@ -24,7 +24,7 @@ from tracetrain.proxy.gateway import Gateway, Load, Service, read_in_thread
 from tracetrain.proxy.holds import GenerationHolds
 from tracetrain.proxy.metrics import GatewayMetrics
 from tracetrain.proxy.policy_lines import PolicyLines
-from tracetrain.proxy.promotion import Promotion
+from tracetrain.proxy.promotion import Canaries
 from tracetrain.proxy.publish_control import PublishController
 from tracetrain.proxy.redact import Redactors
 from tracetrain.proxy.render import ChatRenderer
@@ -51,8 +51,8 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
     engine_sleep = (EngineSleep(holds, engine) if config.engine.sleep == "on" and isinstance(engine, ReplicaSet)
                     else None)
     read = functools.partial(read_in_thread, db)
-    canary = Promotion(config.promotion, engine, read=read, write=writer.submit)
-    publishing = PublishController(engine, publisher, writer=writer, read=read, holds=holds, canary=canary,
+    canaries = Canaries(config.promotion, engine, read=read, write=writer.submit)
+    publishing = PublishController(engine, publisher, writer=writer, read=read, holds=holds, canaries=canaries,
                                    engine_sleep=engine_sleep)
     template = config.gateway.chat_template.read_text() if config.gateway.chat_template else None
     return Gateway(

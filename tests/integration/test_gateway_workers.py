@@ -66,11 +66,12 @@ def start_workers(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path,
         process.wait(timeout=60)
 
 
-def versions(url: str, model: str, n: int = 16) -> list[str]:
-    """X-Policy-Version of `n` new sessions, each on a fresh connection (so the kernel spreads them)."""
+def versions(url: str, model: str, n: int = 16, prefix: str = "") -> list[str]:
+    """X-Policy-Version of `n` new sessions, each on a fresh connection (so the kernel spreads them); `prefix`
+    binds them to a named policy (`/p/support`)."""
     seen = []
     for i in range(n):
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=120, headers={"Connection": "close"},
+        response = httpx.post(f"{url}{prefix}/v1/chat/completions", timeout=120, headers={"Connection": "close"},
                               json={"model": model, "max_tokens": 2,
                                     "messages": [{"role": "user", "content": f"hi {i}"}]})
         assert response.status_code == 200, response.text
@@ -80,8 +81,8 @@ def versions(url: str, model: str, n: int = 16) -> list[str]:
 
 def publish_through(url: str, db_url: str, policy: Policy) -> None:
     """What `tracetrain train --gateway-url` does: POST /v1/policies, then mark the version published."""
-    response = httpx.post(f"{url}/v1/policies", timeout=600,
-                          json={"version": policy.version, "checkpoint": policy.checkpoint, "kind": policy.kind})
+    response = httpx.post(f"{url}/v1/policies", timeout=600, json={
+        "version": policy.version, "checkpoint": policy.checkpoint, "kind": policy.kind, "policy": policy.line})
     assert response.status_code == 200, response.text
     policy.published_at = utcnow()
     with Session(connect_db(db_url)) as db:
@@ -101,6 +102,14 @@ def test_a_version_published_through_one_worker_reaches_every_worker(
     served = {httpx.get(f"{url}/v1/replicas", timeout=30, headers={"Connection": "close"}).json()["served_version"]
               for _ in range(8)}
     assert served == {1}
+    # A named policy's version, published through one worker, reaches every worker too.
+    assert httpx.post(f"{url}/v1/policies", json={"name": "support"}, timeout=30).status_code == 200
+    assert set(versions(url, vllm_server.model_name, prefix="/p/support")) == {"0"}
+    support = save_lora(load_model(smollm2_path), tmp_path / "support-v1", seed=4)
+    publish_through(url, db_url, Policy(line="support", version=1, checkpoint=str(support), kind="lora"))
+    time.sleep(3)
+    assert set(versions(url, vllm_server.model_name, prefix="/p/support")) == {"1"}
+    assert set(versions(url, vllm_server.model_name, n=4)) == {"1"}, "the default line is untouched"
 
 
 def test_workers_refuse_what_they_cannot_keep_consistent(tmp_path: Path) -> None:

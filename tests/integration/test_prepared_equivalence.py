@@ -200,7 +200,8 @@ def test_prepared_statements_write_and_read_what_core_does(two_stores: tuple[Eng
             ops.append(("read", queries._NEXT_SEQ, {"sid": sid}))
             ops.append(("read", queries._SESSION_OWNER, {"sid": sid}))
             ops.append(("read", queries._CHAINED_CHILD, {"sid": sid, "parent": rng.choice([*cids, "absent"])}))
-            ops.append(("read", queries._PROMOTION_LOCKED, {"v": rng.randint(-1, 7)}))
+            line = rng.choice(["default", "support"])
+            ops.append(("read", queries._PROMOTION_LOCKED, {"v": rng.randint(-1, 7), "line": line}))
         outcomes = []
         for store, fast in ((fast_store, True), (plain_store, False)):
             with store.begin() as conn:

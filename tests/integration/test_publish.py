@@ -279,6 +279,33 @@ async def test_a_canary_adapter_serves_next_to_the_current_one(engine, smollm2, 
     assert (engine.version, engine.served_model) == (3, "canary-v3")
     assert {d.version for d in await generate(engine, prompt, replace(GREEDY, version=1))} == {1}  # still held
 
+
+@vllm
+async def test_a_named_policys_canary_serves_next_to_its_current_version(engine, smollm2, prompt, lora_dirs):
+    """Canary promotion of a named policy's line: its canary is asked for by (policy, version); the policy's
+    other requests get its current version, the default line and other policies are untouched."""
+    publisher = VLLMLoRAPublisher(engine, prefix="linecanary")
+    await publisher.publish_line(Checkpoint(1, lora_dirs[0], "lora", line="support"))
+    default_before = engine.version
+    await publisher.stage(Checkpoint(2, lora_dirs[1], "lora", line="support"))
+    assert engine.line_versions()["support"] == 1
+    on_canary = await generate(engine, prompt, replace(GREEDY, line="support", version=2))
+    assert {d.version for d in on_canary} == {2}
+    expected = hf_logprobs(merged_lora(smollm2, lora_dirs[1]), prompt + token_ids(on_canary), len(prompt))
+    assert max_diff(sampled_logprobs(on_canary), expected) < LOGPROB_TOLERANCE  # version 2's weights sampled them
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, line="support"))} == {1}
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, line="other", version=2))} == {0}
+    assert engine.version == default_before
+
+    await publisher.retire(2, "support")  # rolled back: asking for it gets the line's current version
+    assert {d.version for d in await generate(engine, prompt, replace(GREEDY, line="support", version=2))} == {1}
+    await publisher.stage(Checkpoint(3, lora_dirs[2], "lora", line="support"))
+    await publisher.promote(Checkpoint(3, lora_dirs[2], "lora", line="support"))
+    assert engine.lines["support"] == (3, "linecanary-support-v3") and not engine.line_canaries
+    served = await generate(engine, prompt, replace(GREEDY, line="support"))
+    expected = hf_logprobs(merged_lora(smollm2, lora_dirs[2]), prompt + token_ids(served), len(prompt))
+    assert {d.version for d in served} == {3} and max_diff(sampled_logprobs(served), expected) < LOGPROB_TOLERANCE
+
 @vllm
 async def test_lora_requests_in_flight_survive_publishes_and_unloads(engine, prompt, lora_dirs, vllm_server):
     publisher = VLLMLoRAPublisher(engine, prefix="flight")

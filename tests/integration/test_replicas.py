@@ -162,8 +162,15 @@ def test_a_version_reaches_every_replica_that_can_load_it(replicated: RunningGat
 
 
 def test_a_replica_killed_under_load_loses_nothing_and_comes_back(replicated: RunningGateway,
-                                                                   second_server: VLLMServer) -> None:
+                                                                   second_server: VLLMServer,
+                                                                   adapters: dict[str, Path]) -> None:
     replicas = replica_set(replicated)
+    # A named policy's version in both replicas: the killed one must come back serving it too.
+    assert httpx.post(f"{replicated.url}/v1/policies", json={"name": "support"}).status_code == 200
+    response = httpx.post(f"{replicated.url}/v1/policies", timeout=120, json={
+        "version": 1, "checkpoint": str(adapters["rank8"]), "kind": "lora", "policy": "support"})
+    assert response.status_code == 200, response.text
+    assert [r.engine.line_versions() for r in replicas.replicas] == [{"support": 1}] * 2
     results: list[tuple[str, int]] = []
     stop = threading.Event()
 
@@ -206,6 +213,7 @@ def test_a_replica_killed_under_load_loses_nothing_and_comes_back(replicated: Ru
     wait_until(lambda: all(replicas.router.up), 400, "the killed replica to serve again")
     back_after = time.monotonic() - killed_at
     assert [r.engine.version for r in replicas.replicas] == [2, 2]
+    assert [r.engine.line_versions() for r in replicas.replicas] == [{"support": 1}] * 2
     events = [e.event for e in replicas.events if e.replica == second_server.url]
     assert "restarting" in events and events[-1] == "up"
     print(f"failed {statuses.count(502) + statuses.count(503)} of {len(statuses)} calls; "

@@ -60,15 +60,15 @@ def line_version(engine: Any, line: str) -> int:
 
 
 class CanaryPublisher(Protocol):
-    """A publisher that can serve a new version next to the current one (canary promotion): `stage` makes
-    it available to requests that ask for it by version, `promote` makes it everyone's, `retire` drops
-    it (requests asking for it get the current version)."""
+    """A publisher that can serve a new version next to the current one of its line (canary promotion):
+    `stage` makes it available to the line's requests that ask for it by version, `promote` makes it the
+    line's for everyone, `retire` drops it (requests asking for it get the line's current version)."""
 
     async def stage(self, checkpoint: Checkpoint) -> None: ...
 
     async def promote(self, checkpoint: Checkpoint) -> None: ...
 
-    async def retire(self, version: int) -> None: ...
+    async def retire(self, version: int, line: str = DEFAULT_POLICY) -> None: ...
 
 
 # --- checkpoint checks (no torch needed) ---------------------------------------------------------------

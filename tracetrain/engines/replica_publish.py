@@ -67,6 +67,10 @@ class ReplicaPublisher:
         """The last version published, which a rejoining replica catches up to."""
         self.canary: Checkpoint | None = None
         """A canary staged next to `latest` (canary promotion), which a rejoining replica loads too."""
+        self.lines: dict[str, Checkpoint] = {}
+        """Named policies' versions served, by policy, which a rejoining replica loads too."""
+        self.line_canaries: dict[str, Checkpoint] = {}
+        """Named policies' canaries on trial, by policy, which a rejoining replica stages too."""
         self.coordinator: ReloadCoordinator | None = None
         """Set when other gateway processes may send to these replicas: full-weight reloads go through it."""
         self.probe = probe
@@ -122,6 +126,7 @@ class ReplicaPublisher:
             for i, reason in failures.items():
                 self._failed(i, checkpoint, reason)
             await asyncio.gather(*(lora[i].switch_line(checkpoint) for i in targets if i not in failures))
+            self.lines[checkpoint.line] = checkpoint
 
     async def adopt(self, checkpoint: Checkpoint) -> None:
         """Serve a version another gateway process on the same store published into these replicas: a
@@ -129,6 +134,16 @@ class ReplicaPublisher:
         are already in the servers, so only the version label moves (see `gateway.workers` for why
         several processes publish LoRA only)."""
         async with self._lock:
+            if checkpoint.line != DEFAULT_POLICY:
+                lora = self._lora()
+                for i, up in enumerate(self.replicas.router.up):
+                    if up and not await lora[i].is_loaded(checkpoint):
+                        await lora[i].load_line(checkpoint)
+                for i, up in enumerate(self.replicas.router.up):
+                    if up:
+                        lora[i].engine.use_line(checkpoint.line, lora[i].line_adapter(checkpoint), checkpoint.version)
+                self.lines[checkpoint.line] = checkpoint
+                return
             if checkpoint.kind == "lora":
                 lora = cast(list[VLLMLoRAPublisher], self.publishers)
                 for i, up in enumerate(self.replicas.router.up):
@@ -157,6 +172,13 @@ class ReplicaPublisher:
             if self.canary is not None and self.canary.kind == "lora":
                 await self._lora()[index].stage(self.canary)
             self.replicas.canary.discard(index)  # full weights: it came back with the incumbent's
+            for checkpoint in self.lines.values():
+                lora = self._lora()[index]
+                await lora.load_line(checkpoint)
+                await self._verify(index, checkpoint, lora.line_adapter(checkpoint))
+                await lora.switch_line(checkpoint)
+            for checkpoint in self.line_canaries.values():
+                await self._stage_verified(index, checkpoint)
 
     # --- canary promotion (LoRA only: both versions in every replica) -------------------------------
 
@@ -178,18 +200,30 @@ class ReplicaPublisher:
                 raise PublishError("; ".join(failures.values()))
             for i, reason in failures.items():
                 self._failed(i, checkpoint, reason)
-            self.canary = checkpoint
+            if checkpoint.line == DEFAULT_POLICY:
+                self.canary = checkpoint
+            else:
+                self.line_canaries[checkpoint.line] = checkpoint
 
     async def _stage_verified(self, index: int, checkpoint: Checkpoint) -> None:
         lora = self._lora()[index]
         await lora.stage(checkpoint)
         try:
-            await self._verify(index, checkpoint, lora.adapter_name(checkpoint.version))
+            await self._verify(index, checkpoint, lora.adapter_name(checkpoint.version)
+                               if checkpoint.line == DEFAULT_POLICY else lora.line_adapter(checkpoint))
         except PublishError:
-            await lora.retire(checkpoint.version)
+            await lora.retire(checkpoint.version, checkpoint.line)
             raise
 
     async def promote(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.line != DEFAULT_POLICY:
+            async with self._lock:
+                lora = self._lora()
+                targets = [i for i, up in enumerate(self.replicas.router.up) if up]
+                await asyncio.gather(*(lora[i].promote(checkpoint) for i in targets))
+                self.lines[checkpoint.line] = checkpoint
+                self.line_canaries.pop(checkpoint.line, None)
+            return
         if checkpoint.kind == "full":
             async with self._lock:
                 others = [i for i, up in enumerate(self.replicas.router.up) if up and i not in self.replicas.canary]
@@ -209,8 +243,12 @@ class ReplicaPublisher:
             await asyncio.gather(*(lora[i].tidy() for i in targets), return_exceptions=True)
             self.latest, self.canary = checkpoint, None
 
-    async def retire(self, version: int) -> None:
+    async def retire(self, version: int, line: str = DEFAULT_POLICY) -> None:
         async with self._lock:
+            if line != DEFAULT_POLICY:
+                await asyncio.gather(*(p.retire(version, line) for p in self._lora()), return_exceptions=True)
+                self.line_canaries.pop(line, None)
+                return
             if self.canary is not None and self.canary.kind == "full":
                 # Back to the incumbent's weights; the replicas take no incumbent traffic until then.
                 await self._publish_rolling(self._incumbent(), sorted(self.replicas.canary))

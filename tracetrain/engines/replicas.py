@@ -107,6 +107,14 @@ class ReplicaSet:
         return max(serving or [r.engine.version for i, r in enumerate(self.replicas) if i not in self.canary]
                    or [r.engine.version for r in self.replicas])
 
+    def _behind(self, index: int) -> bool:
+        """Whether a replica out of service misses a version the others serve, of the default line or a named one."""
+        engine = self.replicas[index].engine
+        others = [r.engine for i, r in enumerate(self.replicas) if self.router.up[i] and i != index]
+        mine = engine.line_versions()
+        return engine.version < self.version or any(
+            version > mine.get(line, 0) for other in others for line, version in other.line_versions().items())
+
     def line_versions(self) -> dict[str, int]:
         """Each named policy's version as the replicas in service serve it: the oldest among them, the
         base model's 0 where one lacks it (each call records its own replica's)."""
@@ -258,7 +266,7 @@ class ReplicaSet:
             self.take_out(index, f"vLLM exited ({replica.server.returncode})")
             self.record(index, "restarting")
             log.warning("replica %s exited; starting it again", replica.url)
-            replica.engine.use_adapter(None, 0)  # a fresh server serves the base weights
+            replica.engine.reset()  # a fresh server serves the base weights, no adapter of any line
             replica.server.launch()
             if self.restarted is not None:
                 await self.restarted(index)
@@ -271,7 +279,7 @@ class ReplicaSet:
         if self.router.up[index] and not healthy:
             self.take_out(index, "health check failed")
         elif not self.router.up[index] and healthy:
-            if self.catch_up is not None and replica.engine.version < self.version:
+            if self.catch_up is not None and self._behind(index):
                 try:
                     await self.catch_up(index)
                 except Exception as exc:  # stays out; the next check tries again

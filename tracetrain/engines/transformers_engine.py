@@ -82,6 +82,8 @@ class TransformersEngine:
         """Full weights of versions held for canary promotion, by version."""
         self._lines: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         """Named policies' newest versions, full weights each (their adapter merged into the base model)."""
+        self._line_canaries: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        """Named policies' staged versions (canary promotion), full weights each, by (policy, version)."""
         self._line_loaded: tuple[str, int] | None = None
         """The named line (and version) whose weights are in `model` now; None: the default line's."""
         self._base: dict[str, torch.Tensor] | None = None
@@ -194,15 +196,36 @@ class TransformersEngine:
         for a canary: fine for the small models this engine is for)."""
         await asyncio.get_running_loop().run_in_executor(self._executor, self._hold_line, line, state_dict, version)
 
+    async def stage_line(self, line: str, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hold `version` of named policy `line` for that line's requests that ask for it by version."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._hold_line, line, state_dict, version,
+                                                         True)
+
+    def holds_line(self, line: str, version: int) -> bool:
+        return (line, version) in self._line_canaries
+
+    def drop_line_version(self, line: str, version: int) -> None:
+        self._line_canaries.pop((line, version), None)
+
+    async def serve_line_version(self, line: str, version: int) -> None:
+        """Make a staged version of `line` the one every request of that line gets."""
+        def serve() -> None:
+            self._lines[line] = (version, self._line_canaries.pop((line, version)))
+        await asyncio.get_running_loop().run_in_executor(self._executor, serve)
+
     def line_versions(self) -> dict[str, int]:
         return {line: version for line, (version, _) in self._lines.items()}
 
-    def _hold_line(self, line: str, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def _hold_line(self, line: str, state_dict: Mapping[str, torch.Tensor], version: int, staged: bool = False) -> None:
         current = self.model.state_dict()
         bad = [k for k, v in state_dict.items() if k not in current or current[k].shape != v.shape]
         if bad:
             raise ValueError(f"unknown parameters or wrong shapes: {bad[:5]}")
-        self._lines[line] = (version, {**self._base_weights(), **state_dict})
+        weights = {**self._base_weights(), **state_dict}
+        if staged:
+            self._line_canaries[(line, version)] = weights
+        else:
+            self._lines[line] = (version, weights)
 
     def _base_weights(self) -> dict[str, torch.Tensor]:
         if self._base is None:
@@ -216,8 +239,11 @@ class TransformersEngine:
             self._load(self._held[self._loaded])
             self._line_loaded = None
 
-    def _use_line(self, line: str) -> int:
-        version, weights = self._lines.get(line) or (0, self._base_weights())
+    def _use_line(self, line: str, asked: int | None) -> int:
+        if asked is not None and (line, asked) in self._line_canaries:
+            version, weights = asked, self._line_canaries[(line, asked)]
+        else:
+            version, weights = self._lines.get(line) or (0, self._base_weights())
         if self._line_loaded != (line, version):
             if self._line_loaded is None and self._loaded not in self._held:  # to come back to
                 self._held[self._loaded] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -228,7 +254,7 @@ class TransformersEngine:
     def _use(self, version: int | None, line: str | None = None) -> int:
         """The version this request runs on, loaded (worker thread)."""
         if line is not None:
-            return self._use_line(line)
+            return self._use_line(line, version)
         self._back_to_default()
         wanted = version if version is not None and version in self._held else self.version
         if wanted != self._loaded:

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tracetrain.config import DEFAULT_POLICY
 from tracetrain.engines.publishing import Checkpoint, PublishError, check_known, check_lora_checkpoint, model_shapes
 
 if TYPE_CHECKING:
@@ -49,7 +50,13 @@ class InProcessPublisher:
     # --- canary promotion -------------------------------------------------------------------------
 
     async def stage(self, checkpoint: Checkpoint) -> None:
-        """Hold a version next to the served one, for the sessions assigned to it."""
+        """Hold a version next to the served one (of its line), for the sessions assigned to it."""
+        if checkpoint.line != DEFAULT_POLICY:
+            async def apply(state_dict: dict[str, torch.Tensor], version: int) -> None:
+                await self.engine.stage_line(checkpoint.line, state_dict, version)
+
+            await self._hand_over(checkpoint, apply, f"holding as policy {checkpoint.line!r}'s canary")
+            return
         await self._hand_over(checkpoint, self.engine.stage_weights, "holding as a canary")
 
     async def _hand_over(self, checkpoint: Checkpoint, apply: Callable[[dict[str, torch.Tensor], int], Awaitable[None]],
@@ -64,13 +71,22 @@ class InProcessPublisher:
         log.info("%s version %d (%s) from %s", what, checkpoint.version, checkpoint.kind, checkpoint.path)
 
     async def promote(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.line != DEFAULT_POLICY:
+            if self.engine.holds_line(checkpoint.line, checkpoint.version):
+                await self.engine.serve_line_version(checkpoint.line, checkpoint.version)
+            else:
+                await self.publish_line(checkpoint)
+            return
         if self.engine.holds(checkpoint.version):
             await self.engine.serve_version(checkpoint.version)
         else:
             await self.publish(checkpoint)
 
-    async def retire(self, version: int) -> None:
-        self.engine.drop_version(version)
+    async def retire(self, version: int, line: str = DEFAULT_POLICY) -> None:
+        if line != DEFAULT_POLICY:
+            self.engine.drop_line_version(line, version)
+        else:
+            self.engine.drop_version(version)
 
     def load_state_dict(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
         """The full state dict the engine should serve for `checkpoint` (runs in a worker thread)."""

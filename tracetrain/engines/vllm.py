@@ -33,6 +33,10 @@ from yarl import URL
 from .base import Affinity, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, TokenDelta
 from .vllm_server import engine_address
 
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is kept: less than vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+5 s by default), so the client never writes on a connection the server is closing."""
+
 
 class VLLMEngine:
     """Generates through one vLLM server; one pooled aiohttp session for all requests.
@@ -71,6 +75,9 @@ class VLLMEngine:
         self.lines: dict[str, tuple[int, str]] = {}
         """Named policies' newest versions, (version, LoRA adapter name) by policy (docs/architecture.md,
         decision 13). A policy not here is served the base model, its version 0."""
+        self.line_canaries: dict[tuple[str, int], str] = {}
+        """Named policies' staged versions (canary promotion), the adapter by (policy, version): a request of
+        that policy asking for that version gets it."""
         self.skip_special_tokens = skip_special_tokens
         self.json_max_whitespace = json_max_whitespace
         self._timeout = aiohttp.ClientTimeout(total=None, connect=min(timeout, 10.0), sock_read=timeout)
@@ -83,9 +90,13 @@ class VLLMEngine:
         """The pooled session, made on first use: aiohttp binds it to the running event loop."""
         if self._session is None or self._session.closed:
             uds = self.address.uds
+            # A pooled connection is dropped before the server would close it (vLLM's default keep-alive,
+            # VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request written on one the server closed meanwhile fails with
+            # a broken pipe instead of being sent.
+            limit = self._max_connections
             connector: aiohttp.BaseConnector = (
-                aiohttp.UnixConnector(path=uds, limit=self._max_connections) if uds is not None
-                else aiohttp.TCPConnector(limit=self._max_connections))
+                aiohttp.UnixConnector(path=uds, limit=limit, keepalive_timeout=KEEPALIVE_S) if uds is not None
+                else aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S))
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout,
                 connector=connector,
@@ -108,6 +119,11 @@ class VLLMEngine:
         else:
             self.adapters[version] = adapter
 
+    def reset(self) -> None:
+        """A fresh server: the base weights as version 0, no adapter of any line."""
+        self.use_adapter(None, 0)
+        self.lines, self.line_canaries = {}, {}
+
     def use_line(self, line: str, adapter: str, version: int) -> None:
         """Serve `adapter` as named policy `line`'s `version` from the next request of that policy on."""
         self.lines[line] = (version, adapter)
@@ -119,7 +135,10 @@ class VLLMEngine:
                        affinity: Affinity | None = None) -> AsyncIterator[TokenDelta]:
         del affinity  # one engine: nothing to route
         # The version is read together with the adapter named in `body`, with no await between: exact.
-        if params.line is not None:
+        staged = (params.line, params.version) if params.line is not None and params.version is not None else None
+        if staged is not None and staged in self.line_canaries:
+            model, version = self.line_canaries[staged], staged[1]
+        elif params.line is not None:
             version, model = self.lines.get(params.line, (0, self.model_name))
         elif params.version is not None and params.version in self.adapters:
             model, version = self.adapters[params.version] or self.model_name, params.version

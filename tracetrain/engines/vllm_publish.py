@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import httpx
 
+from tracetrain.config import DEFAULT_POLICY
 from tracetrain.engines.publishing import (
     Checkpoint,
     PublishError,
@@ -91,14 +92,18 @@ class VLLMLoRAPublisher:
             await self._load(client, self.adapter_name(checkpoint.version), checkpoint.path)
 
     async def is_loaded(self, checkpoint: Checkpoint) -> bool:
-        """Whether vLLM already holds this version's adapter (another gateway process loaded it)."""
+        """Whether vLLM already holds this version's adapter, of any line (another gateway process loaded it)."""
         async with _control_client(self.engine, self.timeout) as client:
             try:
                 response = await client.get("/v1/models")
                 names = {m.get("id") for m in response.json().get("data", [])}
             except (httpx.HTTPError, ValueError, AttributeError):
                 return False
-        return self.adapter_name(checkpoint.version) in names
+        return self._name(checkpoint) in names
+
+    def _name(self, checkpoint: Checkpoint) -> str:
+        return self.adapter_name(checkpoint.version) if checkpoint.line == DEFAULT_POLICY else \
+            self.line_adapter(checkpoint)
 
     def switch(self, checkpoint: Checkpoint) -> None:
         """Serve a loaded adapter from the next request on (no await: atomic for the event loop)."""
@@ -148,23 +153,39 @@ class VLLMLoRAPublisher:
     # --- canary promotion: a version served next to the current one ---------------------------------
 
     async def stage(self, checkpoint: Checkpoint) -> None:
-        """Load a version for the requests that ask for it by version; the current one stays the default."""
+        """Load a version for the requests that ask for it by version (of its line); the line's current one
+        stays the default."""
+        if checkpoint.line != DEFAULT_POLICY:
+            await self.load_line(checkpoint)
+            self.engine.line_canaries[(checkpoint.line, checkpoint.version)] = self.line_adapter(checkpoint)
+            log.info("LoRA %s loaded as a canary", self.line_adapter(checkpoint))
+            return
         await self.load(checkpoint)
         self.engine.adapters[checkpoint.version] = self.adapter_name(checkpoint.version)
         log.info("LoRA %s (version %d) loaded as a canary", self.adapter_name(checkpoint.version), checkpoint.version)
 
     async def promote(self, checkpoint: Checkpoint) -> None:
-        """Serve a version (staged or not) to every request from now on."""
+        """Serve a version (staged or not) to every request of its line from now on."""
+        if checkpoint.line != DEFAULT_POLICY:
+            if self.engine.line_canaries.pop((checkpoint.line, checkpoint.version), None) is None:
+                await self.load_line(checkpoint)
+            await self.switch_line(checkpoint)
+            return
         async with self._lock:
             if checkpoint.version not in self.engine.adapters:
                 await self.load(checkpoint)
             self.switch(checkpoint)
             await self.tidy()
 
-    async def retire(self, version: int) -> None:
-        """Stop serving a staged version: requests asking for it get the current one (best effort unload)."""
-        self.engine.adapters.pop(version, None)
-        name = self.adapter_name(version)
+    async def retire(self, version: int, line: str = DEFAULT_POLICY) -> None:
+        """Stop serving a staged version: requests asking for it get the line's current one (best effort
+        unload)."""
+        if line != DEFAULT_POLICY:
+            name = self.engine.line_canaries.pop((line, version), None) or \
+                self.line_adapter(Checkpoint(version, Path(), "lora", line))
+        else:
+            self.engine.adapters.pop(version, None)
+            name = self.adapter_name(version)
         async with _control_client(self.engine, self.timeout) as client:
             try:
                 await client.post("/v1/unload_lora_adapter", json={"lora_name": name})

@@ -67,8 +67,9 @@ class Gateway:
         self.writer = writer
         self.sessions = sessions
         self.publishing = publishing
-        self.canary = publishing.canary
-        """Under `promotion.mode: canary`, new versions serve a share of new sessions until their test decides."""
+        self.canaries = publishing.canaries
+        """Under `promotion.mode: canary`, each line's new versions serve a share of its new sessions until their
+        test decides."""
         self.admission = admission
         """Under `gateway.admission: staleness`, holds new sessions while the trainer has enough work."""
         self.holds = holds

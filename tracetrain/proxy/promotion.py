@@ -1,4 +1,5 @@
-"""Canary promotion in one gateway process (`promotion.mode: canary`).
+"""Canary promotion in one gateway process (`promotion.mode: canary`), for every policy line: the default one
+and each named policy (docs/architecture.md, decision 13) have a trial of their own (`Canaries`).
 
 A new version is first *staged*: the engine holds it next to the incumbent, and only the share
 `promotion.canary_share` of new sessions is assigned to it (by a hash of the session's named group, else of its
@@ -8,7 +9,8 @@ since the canary started; its decision is stored (`store/promotion.py`, once, wh
 there first) and applied: promoted, the canary serves everyone; rolled back, it serves no one again.
 
 The store is the source of truth: every process mirrors it each second, so a decision taken by
-another process or by an admin (`POST /v1/policies/{version}/promote|rollback`) reaches them all.
+another process or by an admin (`POST /v1/policies/{version}/promote|rollback`, `?policy=` for a named
+one) reaches them all.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Any, cast
 
 from sqlmodel import Session
 
-from tracetrain.config import PromotionConfig
+from tracetrain.config import DEFAULT_POLICY, PromotionConfig
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, PublishError
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, PublishError, line_version
 from tracetrain.proxy import sequential
 from tracetrain.proxy.replica_sync import Read, Write
 from tracetrain.store import promotion as store
@@ -48,10 +50,14 @@ def assigned_to_canary(key: str, share: float) -> bool:
 
 
 class Promotion:
-    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write) -> None:
+    """One line's canary trial."""
+
+    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write,
+                 line: str = DEFAULT_POLICY) -> None:
         """`read` runs a query off the event loop; `write` goes through the store writer."""
         self.config = config
         self.engine = engine
+        self.line = line
         self._read, self._write = read, write
         self.publisher: CanaryPublisher | None = None
         self.trial: Trial | None = None
@@ -83,18 +89,29 @@ class Promotion:
                                    "back first")
             await self._publisher().stage(checkpoint)
             since = await self._write(lambda db: store.mark_published(
-                db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="canary"))
+                db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind, promotion="canary",
+                line=self.line))
             self.trial = Trial(checkpoint, since)
-            log.info("version %d is a canary for %.0f%% of new sessions", checkpoint.version,
+            log.info("version %d%s is a canary for %.0f%% of new sessions", checkpoint.version, self._of,
                      100 * self.config.canary_share)
+
+    @property
+    def _of(self) -> str:
+        return "" if self.line == DEFAULT_POLICY else f" of policy {self.line!r}"
+
+    @property
+    def served(self) -> int:
+        """The line's version every session not assigned to the canary gets."""
+        return line_version(self.engine, self.line)
 
     async def decide(self, version: int, outcome: str, decision: dict[str, Any]) -> bool:
         """Store a decision (False if the canary was decided already) and apply it here."""
         async with self._lock:
             decided = await self._write(lambda db: store.decide(
-                db, version=version, outcome=outcome, decision=decision))
+                db, version=version, outcome=outcome, decision=decision, line=self.line))
             if decided:
-                log.warning("version %d %s: %s", version, outcome.replace("_", " "), decision.get("reason"))
+                log.warning("version %d%s %s: %s", version, self._of, outcome.replace("_", " "),
+                            decision.get("reason"))
                 await self._apply(version, outcome)
             return decided
 
@@ -103,11 +120,11 @@ class Promotion:
         trial = self.trial
         if trial is None:
             return None
-        canary_v, incumbent_v, since = trial.checkpoint.version, self.engine.version, trial.since
+        canary_v, incumbent_v, since, line = trial.checkpoint.version, self.served, trial.since, self.line
 
         def rewards(db: Session) -> tuple[list[float], list[float]]:
-            return (store.arm_rewards(db, version=canary_v, since=since),
-                    store.arm_rewards(db, version=incumbent_v, since=since))
+            return (store.arm_rewards(db, version=canary_v, since=since, line=line),
+                    store.arm_rewards(db, version=incumbent_v, since=since, line=line))
 
         canary_r, incumbent_r = await self._read(rewards)
         c = self.config
@@ -122,37 +139,30 @@ class Promotion:
 
     async def follow(self) -> None:
         """Mirror the store: a canary staged or decided by another process, a version promoted elsewhere."""
+        line = self.line
+
         def read(db: Session) -> tuple[Policy | None, Policy | None, Policy | None]:
             trial = self.trial
-            return (store.incumbent(db), store.canary(db),
-                    store.version_row(db, version=trial.checkpoint.version) if trial is not None else None)
+            return (store.incumbent(db, line=line), store.canary(db, line=line),
+                    store.version_row(db, version=trial.checkpoint.version, line=line) if trial is not None else None)
 
         incumbent, canary, ours = await self._read(read)
         async with self._lock:
             if self.trial is not None and ours is not None and ours.promotion != "canary":
                 await self._apply(self.trial.checkpoint.version, str(ours.promotion))
-            if incumbent is not None and incumbent.version > self.engine.version and incumbent.checkpoint:
+            if incumbent is not None and incumbent.version > self.served and incumbent.checkpoint:
                 await self._publisher().promote(_checkpoint(incumbent))
             if canary is not None and self.trial is None and canary.canary_since is not None and \
-                    canary.version > self.engine.version and canary.checkpoint:
+                    canary.version > self.served and canary.checkpoint:
                 await self._publisher().stage(_checkpoint(canary))
                 self.trial = Trial(_checkpoint(canary), canary.canary_since)
-
-    async def run(self, interval_s: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.follow()
-                await self.evaluate()
-            except Exception as exc:  # the store or an engine briefly away: try again next round
-                log.warning("canary promotion: %s", exc)
 
     def state(self) -> dict[str, Any] | None:
         """The canary on trial with the test's latest figures, for `GET /v1/policies`."""
         trial = self.trial
         if trial is None:
             return None
-        return {"version": trial.checkpoint.version, "since": trial.since.isoformat(),
+        return {"version": trial.checkpoint.version, "policy": self.line, "since": trial.since.isoformat(),
                 "share": self.config.canary_share,
                 "test": trial.latest.as_dict() if trial.latest else None}
 
@@ -163,7 +173,7 @@ class Promotion:
         if outcome == "promoted":
             await self._publisher().promote(trial.checkpoint)
         else:
-            await self._publisher().retire(version)
+            await self._publisher().retire(version, self.line)
         self.trial = None
 
     def _publisher(self) -> CanaryPublisher:
@@ -172,5 +182,59 @@ class Promotion:
         return self.publisher
 
 
+class Canaries:
+    """Every line's trial in this process: the default line's always, a named policy's once it has a canary
+    (staged here, or found in the store staged by another process)."""
+
+    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write) -> None:
+        self.config, self.engine, self._read, self._write = config, engine, read, write
+        self._publisher: CanaryPublisher | None = None
+        self.lines: dict[str, Promotion] = {}
+        self.default = self.line(DEFAULT_POLICY)
+
+    @property
+    def publisher(self) -> CanaryPublisher | None:
+        return self._publisher
+
+    @publisher.setter
+    def publisher(self, publisher: CanaryPublisher | None) -> None:
+        self._publisher = publisher
+        for promotion in self.lines.values():
+            promotion.publisher = publisher
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode == "canary"
+
+    def line(self, name: str) -> Promotion:
+        """`name`'s trial, made on first use."""
+        promotion = self.lines.get(name)
+        if promotion is None:
+            promotion = self.lines[name] = Promotion(self.config, self.engine, read=self._read, write=self._write,
+                                                     line=name)
+            promotion.publisher = self._publisher
+        return promotion
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        """The canaries on trial, by line."""
+        return {name: state for name, p in self.lines.items() if (state := p.state()) is not None}
+
+    async def round(self) -> None:
+        """Mirror the store and run every line's test once: every line with a version served or on trial in
+        the store (staged or promoted through another process, too)."""
+        for name in sorted(set(await self._read(store.lines_published)) | set(self.lines)):
+            promotion = self.line(name)
+            await promotion.follow()
+            await promotion.evaluate()
+
+    async def run(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.round()
+            except Exception as exc:  # the store or an engine briefly away: try again next round
+                log.warning("canary promotion: %s", exc)
+
+
 def _checkpoint(policy: Policy) -> Checkpoint:
-    return Checkpoint(policy.version, Path(cast(str, policy.checkpoint)), cast(Any, policy.kind))
+    return Checkpoint(policy.version, Path(cast(str, policy.checkpoint)), cast(Any, policy.kind), policy.line)

@@ -4,9 +4,9 @@ processes, agree full-weight reloads with them, and hand versions to the canary 
 One lock orders every change of the served version in this process; the store records each published
 version (store/promotion.py), through the store writer like every other write.
 
-A named policy's version (`Checkpoint.line`) is published at once as that policy's adapter, next to the
-other lines (docs/architecture.md, decision 13): canary promotion and the following of versions published
-through other gateway processes are the default line's only.
+A named policy's version (`Checkpoint.line`) is published as that policy's adapter, next to the other lines
+(docs/architecture.md, decision 13): at once, or under canary promotion as a canary of its own line. Versions
+published through other gateway processes are followed for every line.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
 from tracetrain.proxy.holds import GenerationHolds
-from tracetrain.proxy.promotion import Promotion
+from tracetrain.proxy.promotion import Canaries
 from tracetrain.proxy.replica_sync import Read, ReplicaSync
 from tracetrain.store import promotion as versions
 from tracetrain.store import queries
@@ -34,12 +34,13 @@ log = logging.getLogger(__name__)
 
 class PublishController:
     def __init__(self, engine: Engine, publisher: Publisher | None, *, writer: StoreWriter, read: Read,
-                 holds: GenerationHolds, canary: Promotion, engine_sleep: EngineSleep | None) -> None:
+                 holds: GenerationHolds, canaries: Canaries, engine_sleep: EngineSleep | None) -> None:
         self.engine = engine
         self.publisher = publisher
         """Puts new weights into the engine; None when this gateway does not publish (no training)."""
-        self.canary = canary
-        """Under `promotion.mode: canary`, new versions serve a share of new sessions until their test decides."""
+        self.canaries = canaries
+        """Under `promotion.mode: canary`, each line's new versions serve a share of its new sessions until their
+        test decides."""
         self.replica_sync: ReplicaSync | None = None
         """Full-weight reloads agreed with the other gateway processes on the store (proxy/replica_sync.py)."""
         self._writer, self._read, self._holds, self._engine_sleep = writer, read, holds, engine_sleep
@@ -51,9 +52,9 @@ class PublishController:
 
     async def start(self) -> None:
         await self._start_replica_sync()
-        if self.canary.enabled:
-            self.canary.publisher = cast(CanaryPublisher | None, self.publisher)
-            self._tasks.append(asyncio.create_task(self.canary.run()))
+        if self.canaries.enabled:
+            self.canaries.publisher = cast(CanaryPublisher | None, self.publisher)
+            self._tasks.append(asyncio.create_task(self.canaries.run()))
         else:
             self._tasks.append(asyncio.create_task(self._follow_versions()))
 
@@ -77,13 +78,18 @@ class PublishController:
                                f"{self.engine.version}.", code="stale_version")
             if self._engine_sleep is not None:
                 await self._engine_sleep.wake()  # loading an adapter or reloading weights needs them on the GPU
-            if self.canary.enabled and self.canary.trial is not None:
-                raise APIError(409, f"Version {self.canary.trial.checkpoint.version} is still a canary: "
-                               "promote or roll it back first.", code="canary_on_trial")
+            self._refuse_second_canary(checkpoint)
             try:
                 await self._load(checkpoint)
             finally:
                 await self._record_probes(checkpoint)
+
+    def _refuse_second_canary(self, checkpoint: Checkpoint) -> None:
+        trial = self.canaries.line(checkpoint.line).trial if self.canaries.enabled else None
+        if trial is not None:
+            of = "" if checkpoint.line == DEFAULT_POLICY else f" of policy '{checkpoint.line}'"
+            raise APIError(409, f"Version {trial.checkpoint.version}{of} is still a canary: promote or roll it "
+                           "back first.", code="canary_on_trial")
 
     async def _record_probes(self, checkpoint: Checkpoint) -> None:
         """The publish probe's figures by replica, on the version's row, whether the publish held or not."""
@@ -107,7 +113,12 @@ class PublishController:
                                f"its served version {served}.", code="stale_version")
             if self._engine_sleep is not None:
                 await self._engine_sleep.wake()
+            self._refuse_second_canary(checkpoint)
             try:
+                if self.canaries.enabled:
+                    self.canaries.publisher = cast(CanaryPublisher, self.publisher)
+                    await self.canaries.line(checkpoint.line).stage(checkpoint)
+                    return
                 await cast(LinePublisher, self.publisher).publish_line(checkpoint)
             finally:
                 await self._record_probes(checkpoint)
@@ -130,9 +141,9 @@ class PublishController:
 
     async def _load(self, checkpoint: Checkpoint) -> None:
         assert self.publisher is not None
-        if self.canary.enabled:
-            self.canary.publisher = cast(CanaryPublisher, self.publisher)
-            await self.canary.stage(checkpoint)
+        if self.canaries.enabled:
+            self.canaries.publisher = cast(CanaryPublisher, self.publisher)
+            await self.canaries.default.stage(checkpoint)
             return
         # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile
         # run on the new weights under the old label: hold new generations instead.
@@ -162,7 +173,7 @@ class PublishController:
         self._tasks.append(asyncio.create_task(sync.run()))
 
     async def _follow_versions(self, interval_s: float = 1.0) -> None:
-        """Serve the newest version a trainer published through another gateway process on this store
+        """Serve each line's newest version a trainer published through another gateway process on this store
         (`serve --workers N`, several gateway hosts): the trainer marks it published in the store."""
         adopt = getattr(self.publisher, "adopt", None)
         if adopt is None:
@@ -170,12 +181,13 @@ class PublishController:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                latest = await self._read(queries.latest_published)
-                if latest is None or latest.checkpoint is None or latest.version <= self.engine.version:
-                    continue
-                async with self._lock:
-                    if latest.version > self.engine.version:
-                        await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind))
-                        log.info("following version %d, published through another gateway", latest.version)
+                for line, latest in (await self._read(queries.latest_published_by_line)).items():
+                    if latest.checkpoint is None or latest.version <= line_version(self.engine, line):
+                        continue
+                    async with self._lock:
+                        if latest.version > line_version(self.engine, line):
+                            await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
+                            log.info("following version %d of line %r, published through another gateway",
+                                     latest.version, line)
             except Exception as exc:  # the store or an engine briefly away: try again next round
                 log.warning("following the published version failed: %s", exc)

@@ -192,9 +192,8 @@ async def prepare(gw: Gateway, spec: CallSpec, *, caller: Caller) -> Turn:
     forced = spec.constraint.forced_prefix if spec.constraint else ""
     if forced:
         plan.prompt_ids = plan.prompt_ids + gw.renderer.encode(forced)
-    # Canary promotion is the default line's: a named policy's sessions get its newest version.
-    pinned = gw.canary.version_for(new=stored is None, key=spec.binding.group_id or session_id,
-                                      pinned=stored.version if stored else None) if policy == DEFAULT_POLICY else None
+    pinned = gw.canaries.line(policy).version_for(new=stored is None, key=spec.binding.group_id or session_id,
+                                                  pinned=stored.version if stored else None)
     return Turn(spec=spec, session_id=session_id, group_id=group_id, new_session=stored is None, policy=policy,
                 owner=stored.owner if stored else owner, plan=plan, parent=parent,
                 version=line_version(gw.engine, policy),

@@ -2,7 +2,7 @@
 
 A published version is `immediate` (everyone gets it at once) or, under canary promotion, a `canary`
 until it is `promoted` or `rolled_back`. The incumbent is the newest `immediate` or `promoted` one.
-Canary promotion is the default line's: a named policy's versions are published `immediate` (decision 13).
+Each policy line (the default one and every named policy, decision 13) has its own incumbent and canary.
 
 A rolled-back version's sessions are not trained on: they are set aside with the reason `rolled_back`
 (kept in the store, counted by `GET /v1/policies`, exported like any other), because they sample a
@@ -31,9 +31,9 @@ def incumbent(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
     return db.exec(query.limit(1)).first()
 
 
-def canary(db: Session) -> Policy | None:
-    """The version on trial, if any (the newest, should two have been staged)."""
-    query = select(Policy).where(Policy.line == DEFAULT_POLICY, Policy.promotion == "canary").order_by(
+def canary(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
+    """`line`'s version on trial, if any (the newest, should two have been staged)."""
+    query = select(Policy).where(Policy.line == line, Policy.promotion == "canary").order_by(
         col(Policy.version).desc())
     return db.exec(query.limit(1)).first()
 
@@ -76,29 +76,36 @@ def record_first_call(db: Session, *, version: int, at: datetime, line: str = DE
                .values(first_call_at=at))
 
 
-def arm_rewards(db: Session, *, version: int, since: datetime) -> list[float]:
-    """Final rewards of the sessions that began on `version` at or after `since` (excluded ones left out)."""
+def arm_rewards(db: Session, *, version: int, since: datetime, line: str = DEFAULT_POLICY) -> list[float]:
+    """Final rewards of `line`'s sessions that began on `version` at or after `since` (excluded ones left out)."""
     query = select(AgentSession.reward).where(
-        AgentSession.policy == DEFAULT_POLICY, AgentSession.policy_version == version,
+        AgentSession.policy == line, AgentSession.policy_version == version,
         col(AgentSession.created_at) >= since,
         AgentSession.status == "final", col(AgentSession.reward).is_not(None),
         col(AgentSession.excluded).is_(false()))
     return [float(r) for r in db.exec(query).all() if r is not None]
 
 
-def decide(db: Session, *, version: int, outcome: str, decision: dict[str, Any]) -> bool:
+def lines_published(db: Session) -> list[str]:
+    """The lines with a version served or on trial."""
+    query = select(Policy.line).where(col(Policy.promotion).in_((*SERVING, "canary"))).distinct()
+    return sorted(db.exec(query).all())
+
+
+def decide(db: Session, *, version: int, outcome: str, decision: dict[str, Any],
+           line: str = DEFAULT_POLICY) -> bool:
     """Promote or roll back a canary, once: False when it was decided already (another gateway process,
     an admin). Rolling back sets its unconsumed sessions aside."""
     if outcome not in ("promoted", ROLLED_BACK):
         raise ValueError(f"unknown canary outcome {outcome!r}")
     decided = db.execute(
-        update(Policy).where(col(Policy.line) == DEFAULT_POLICY, col(Policy.version) == version,
+        update(Policy).where(col(Policy.line) == line, col(Policy.version) == version,
                              col(Policy.promotion) == "canary")
         .values(promotion=outcome, decided_at=utcnow(), decision=decision)
         .execution_options(synchronize_session=False)).rowcount == 1  # type: ignore[attr-defined]
     if decided and outcome == ROLLED_BACK:
         db.execute(update(AgentSession).where(
-            col(AgentSession.policy) == DEFAULT_POLICY, col(AgentSession.policy_version) == version,
+            col(AgentSession.policy) == line, col(AgentSession.policy_version) == version,
             col(AgentSession.trained_version).is_(None),
             col(AgentSession.skip_reason).is_(None)).values(skip_reason=ROLLED_BACK)
             .execution_options(synchronize_session=False))

@@ -50,9 +50,8 @@ _CHAINED_CHILD = Prepared(core_select(_CALLS.c.id).where(
 _INSERT_CALLS = Prepared(insert(_CALLS), CALL_COLUMNS)
 _POLICIES: Table = Policy.__table__  # type: ignore[attr-defined]
 # FOR SHARE on PostgreSQL (SQLite renders nothing: the writer's IMMEDIATE transaction holds the file's lock).
-# Canary promotion is the default line's only.
 _PROMOTION_LOCKED = Prepared(core_select(_POLICIES.c.promotion).where(
-    _POLICIES.c.line == DEFAULT_POLICY, _POLICIES.c.version == bindparam("v")).with_for_update(read=True))
+    _POLICIES.c.line == bindparam("line"), _POLICIES.c.version == bindparam("v")).with_for_update(read=True))
 _SESSION_OWNER = Prepared(core_select(_SESSIONS.c.owner, _SESSIONS.c.group_id, _SESSIONS.c.policy_version,
                                        _SESSIONS.c.policy).where(_SESSIONS.c.id == bindparam("sid")))
 
@@ -183,8 +182,8 @@ def record_calls(db: Session, *, session_id: str, new_session: dict[str, Any] | 
     session = None if new_session is None else session_row(**new_session, model=rows[0]["model"],
                                                           calls=len(rows), tokens=tokens)
     if session is not None and check_rollback and session["policy_version"] is not None and \
-            session["policy"] == DEFAULT_POLICY and \
-            _PROMOTION_LOCKED.execute(conn, {"v": session["policy_version"]}).fetchone() == (ROLLED_BACK,):
+            _PROMOTION_LOCKED.execute(conn, {"v": session["policy_version"], "line": session["policy"]}
+                                      ).fetchone() == (ROLLED_BACK,):
         session["skip_reason"] = ROLLED_BACK
     if session is not None and redactions:
         session["redactions"] = redactions

@@ -215,29 +215,30 @@ class Trainer:
     def steps_taken(self) -> int:
         return sum(int(line.counts["steps"]) for line in self.lines.values())
 
-    def follow_promotion(self, stop: threading.Event | None = None) -> bool:
-        """Under canary promotion the default line's last version published may still be on trial: wait for
-        its decision (with `stop`, until stopped; without, look once). Rolled back, training continues from the
+    def follow_promotion(self, stop: threading.Event | None = None, name: str = DEFAULT_POLICY) -> bool:
+        """Under canary promotion a line's last version published may still be on trial: wait for its decision
+        (with `stop`, until stopped; without, look once). Rolled back, training continues from the line's
         incumbent's weights; its sessions are set aside by the store. False while undecided."""
-        default = self.lines[DEFAULT_POLICY]
+        line = self.lines[name]
         while True:
             with Session(self.db) as s:
-                current = promotion.version_row(s, version=default.version)
+                current = promotion.version_row(s, version=line.version, line=name)
                 state = current.promotion if current else None
-                incumbent = promotion.incumbent(s) if state == promotion.ROLLED_BACK else None
+                incumbent = promotion.incumbent(s, line=name) if state == promotion.ROLLED_BACK else None
             if state != "canary":
                 break
             if stop is None or stop.wait(self.cfg.poll_s):
                 return False
         if state == promotion.ROLLED_BACK:
             resume = Path(incumbent.checkpoint) if incumbent and incumbent.checkpoint else None
-            if resume != default.resume:
-                log.warning("version %d was rolled back: training continues from %s", default.version,
+            if resume != line.resume:
+                log.warning("version %d of line %r was rolled back: training continues from %s", line.version, name,
                             f"version {incumbent.version}" if incumbent else "the base model")
+                # Every line is reloaded from its own checkpoint (the others' newest): one base model holds them all.
                 self.backend.close()
-                default.baseline = RunningBaseline(self.cfg.baseline_momentum)
-                default.resume = resume
-                self._restore(default, counts=False)
+                line.baseline = RunningBaseline(line.cfg.baseline_momentum)
+                line.resume = resume
+                self._restore(line, counts=False)
                 self.backend = self._load()
         return True
 
@@ -253,7 +254,7 @@ class Trainer:
             return batch is not None and self._step(self.lines[DEFAULT_POLICY], batch)
         while True:
             for name in self.scheduler.due(self._demands(), time.monotonic()):
-                if name == DEFAULT_POLICY and not self.follow_promotion():
+                if not self.follow_promotion(name=name):
                     continue
                 line = self.lines[name]
                 batch = cast(BatchGatherer, line.batches).gather(line.version)  # ready now: no waiting

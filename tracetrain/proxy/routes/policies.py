@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, cast
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model, field_validator
 from sqlmodel import Session
 
@@ -116,8 +116,11 @@ async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = 
             # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
-            # Under canary promotion: the version on trial and its test's latest figures.
-            "promotion": {"mode": gw.config.promotion.mode, "canary": gw.canary.state()},
+            # Under canary promotion: the default line's (or `policy`'s) version on trial and its test's latest
+            # figures, and every line's by policy.
+            "promotion": {"mode": gw.config.promotion.mode,
+                          "canary": gw.canaries.line(only or DEFAULT_POLICY).state(),
+                          "canaries": {k: v for k, v in gw.canaries.states().items() if only in (None, k)}},
             "data": [row.model_dump(mode="json") for row in rows]}
 
 
@@ -155,6 +158,11 @@ async def publish(gw: Gateway, body: PublishRequest) -> dict[str, Any]:
     return {"version": line_version(gw.engine, body.policy), "published": True}
 
 
+LineQuery = Annotated[str | None, Query(min_length=1, max_length=64, pattern=POLICY_NAME_PATTERN,
+                                       description="The named policy whose canary it is (404 for an unknown one); "
+                                                   "left out: the default line's.")]
+
+
 class PromotionRequest(RequestModel):
     note: str = Field(default="", max_length=2000)
     """Why, kept with the decision."""
@@ -164,40 +172,46 @@ class PromotionResponse(BaseModel):
     version: int
     promotion: Literal["promoted", "rolled_back"]
     served_version: int
-    """The version every new session gets now."""
+    """The version every new session of the line gets now."""
 
 
 async def _decide_by_hand(gw: Gateway, version: int, outcome: Literal["promoted", "rolled_back"],
-                          caller_owner: str | None, note: str) -> PromotionResponse:
-    trial = gw.canary.trial
+                          caller_owner: str | None, note: str, policy: str | None) -> PromotionResponse:
+    line = policy or DEFAULT_POLICY
+    if policy is not None:
+        await gw.policies.require(policy, param="policy")
+    canary = gw.canaries.line(line)
+    trial = canary.trial
     if trial is None or trial.checkpoint.version != version:
         current = f"version {trial.checkpoint.version} is" if trial else "no version is"
-        raise APIError(409, f"Version {version} is not a canary on this gateway ({current} on trial); only a "
+        of = "" if line == DEFAULT_POLICY else f" of policy '{line}'"
+        raise APIError(409, f"Version {version}{of} is not a canary on this gateway ({current} on trial); only a "
                        "canary can be promoted or rolled back by hand.", code="not_a_canary")
     figures = trial.latest.as_dict() if trial.latest else {}
     decision = {**figures, "by": "admin", "actor": caller_owner, "note": note,
                 "reason": f"{outcome.replace('_', ' ')} by hand"}
     try:
-        decided = await gw.canary.decide(version, outcome, decision)
+        decided = await canary.decide(version, outcome, decision)
     except (PublishError, EngineError) as exc:
         raise APIError(502, f"Applying the decision on version {version} failed: {exc}", code="publish_failed") from exc
     if not decided:
         raise APIError(409, f"Version {version} was decided meanwhile.", code="not_a_canary")
-    return PromotionResponse(version=version, promotion=outcome, served_version=gw.engine.version)
+    return PromotionResponse(version=version, promotion=outcome, served_version=line_version(gw.engine, line))
 
 
 @router.post("/v1/policies/{version}/promote", response_model=PromotionResponse,
-             responses=error_responses(401, 403, 409, 502))
-async def promote(gw: GatewayDep, version: int, caller: AdminDep,
-                  body: PromotionRequest | None = None) -> PromotionResponse:
-    """Promote a canary now: every new session gets it (the test's figures so far are kept with it)."""
-    return await _decide_by_hand(gw, version, "promoted", caller.owner, body.note if body else "")
+             responses=error_responses(401, 403, 404, 409, 502, described={404: "No such policy"}))
+async def promote(gw: GatewayDep, version: int, caller: AdminDep, body: PromotionRequest | None = None,
+                  policy: LineQuery = None) -> PromotionResponse:
+    """Promote a canary now (of the named `policy`'s line, else the default's): every new session gets it (the
+    test's figures so far are kept with it)."""
+    return await _decide_by_hand(gw, version, "promoted", caller.owner, body.note if body else "", policy)
 
 
 @router.post("/v1/policies/{version}/rollback", response_model=PromotionResponse,
-             responses=error_responses(401, 403, 409, 502))
-async def rollback(gw: GatewayDep, version: int, caller: AdminDep,
-                   body: PromotionRequest | None = None) -> PromotionResponse:
-    """Roll a canary back now: no session gets it again, its sessions are set aside (`rolled_back`), and the
-    trainer continues from the incumbent."""
-    return await _decide_by_hand(gw, version, "rolled_back", caller.owner, body.note if body else "")
+             responses=error_responses(401, 403, 404, 409, 502, described={404: "No such policy"}))
+async def rollback(gw: GatewayDep, version: int, caller: AdminDep, body: PromotionRequest | None = None,
+                   policy: LineQuery = None) -> PromotionResponse:
+    """Roll a canary back now (of the named `policy`'s line, else the default's): no session gets it again, its
+    sessions are set aside (`rolled_back`), and the trainer continues from the line's incumbent."""
+    return await _decide_by_hand(gw, version, "rolled_back", caller.owner, body.note if body else "", policy)

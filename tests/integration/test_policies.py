@@ -169,6 +169,9 @@ MATRIX: list[tuple[str, str, dict[str, Any] | None, dict[str, tuple[int, str]]]]
     ("POST", "/p/coding/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": HI}, POLICY_TRAFFIC),
     ("GET", "/p/coding/v1/models", None, POLICY_TRAFFIC),
     ("GET", "/v1/sessions?policy=coding", None, POLICY_TRAFFIC),
+    # Deciding a policy's canary is the admin's (it has none on trial here).
+    ("POST", "/v1/policies/1/promote?policy=coding", None, {**ADMIN_ONLY, "admin": (409, "not_a_canary")}),
+    ("POST", "/v1/policies/1/rollback?policy=coding", None, {**ADMIN_ONLY, "admin": (409, "not_a_canary")}),
     ("DELETE", "/v1/sessions/{sid}", None, ADMIN_ONLY),  # last: it clears the session's content
 ]
 

@@ -159,7 +159,7 @@ def samples_for(shape: Shape, vocab: int, rng: random.Random) -> list[Sample]:
 
 
 def model_flops(model: torch.nn.Module, shape: Shape, lora: bool) -> float:
-    config = model.config
+    config: Any = model.config  # a transformers config; torch types Module attributes as Tensor | Module
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     base = getattr(model, "get_base_model", lambda: model)()
     body = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
@@ -179,9 +179,10 @@ def measure(lora: bool, shape: Shape, steps: int, theoretical: float, cfg_base: 
     model = build_model(smollm2_dir(), cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # as the trainer
-    samples = samples_for(shape, model.config.vocab_size, random.Random(0))
+    config: Any = model.config
+    samples = samples_for(shape, config.vocab_size, random.Random(0))
     advantages = [s.reward - 0.5 for s in samples]
-    pad = model.config.eos_token_id or 0
+    pad = config.eos_token_id or 0
     peak, where = matmul_peak(seconds_per_size=1.0)  # right before this configuration, same threads
     console.log(f"GEMM peak before {'LoRA' if lora else 'full'} {shape}: {peak / 1e9:.1f} GFLOP/s ({where})")
     times = []

@@ -121,6 +121,12 @@ class TrainConfig(BaseModel):
     """Where versions are written (a directory each: weights or adapter, optimizer, trainer state)."""
     keep_checkpoints: int = 3
     """Older checkpoint directories are deleted (their store rows stay)."""
+    publish_overlap: bool = False
+    """Publish each version on a thread of its own while the next step gathers and trains, instead of before
+    it: the publish (loading into the engine, the probe) leaves the step's critical path. The next version's
+    publish waits for this one, so versions are served in order; sessions sampled meanwhile come from the
+    version before, one more version of staleness at most. `mode: async` only, and not with
+    `promotion.mode: canary` (the trainer must see a canary's decision before it steps on)."""
     max_steps: int | None = None
     """Stop after this many steps, every named policy's counted (None: run until stopped)."""
     publish: Literal["auto", "lora", "reload", "inprocess", "none"] = "auto"
@@ -720,6 +726,15 @@ class Config(BaseSettings):
                              "serve the incumbent. On one server, use LoRA publishing (train.lora and "
                              "train.publish: lora): both adapters then live in it")
         self._check_policies()
+        if self.train.publish_overlap and self.train.mode == "sync":
+            raise ValueError("train.publish_overlap with train.mode: sync: a sync step holds generation until its "
+                             "version serves, so there is nothing to overlap. Use train.mode: async")
+        if self.train.publish_overlap and self.train.keep_checkpoints < 2:
+            raise ValueError("train.publish_overlap with train.keep_checkpoints below 2: the next step's checkpoint "
+                             "would delete the version still being published. Keep 2 or more")
+        if self.train.publish_overlap and self.promotion.mode == "canary":
+            raise ValueError("train.publish_overlap with promotion.mode: canary: the trainer must see each canary "
+                             "staged and decided before it steps on. Leave train.publish_overlap off")
         if gateway.admission != "none" and gateway.admission_batches > self.train.max_staleness + 1:
             raise ValueError(f"gateway.admission_batches ({gateway.admission_batches:g}) above "
                              f"train.max_staleness + 1 ({self.train.max_staleness + 1}) admits sessions that can "

@@ -121,6 +121,16 @@ def test_batch_and_admission_combinations_are_checked_when_the_config_loads() ->
         Config(gateway={"admission": "fifo"})
 
 
+def test_publish_overlap_is_refused_where_it_cannot_hold() -> None:
+    assert Config(train={"publish_overlap": True}).train.publish_overlap
+    with pytest.raises(ValidationError, match="mode: sync"):
+        Config(train={"publish_overlap": True, "mode": "sync"})
+    with pytest.raises(ValidationError, match="canary"):
+        Config(train={"publish_overlap": True}, promotion={"mode": "canary"})
+    with pytest.raises(ValidationError, match="keep_checkpoints"):
+        Config(train={"publish_overlap": True, "keep_checkpoints": 1})
+
+
 def test_admission_auto_holds_agents_only_for_an_async_trainer_in_this_gateway() -> None:
     def resolved(mode: str, training_here: bool) -> str:
         return Config(**parse_set([f"mode={mode}"])).settled(training_here=training_here).gateway.admission

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -101,6 +102,9 @@ class Trainer:
         self.scheduler = FairScheduler()
         self._refused: set[str] = set()
         """Named lines this trainer cannot train (said once in the log)."""
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-publish")
+        self._publishing: Future[None] | None = None
+        """The version being published while the next step trains (`train.publish_overlap`)."""
         torch.manual_seed(cfg.seed)
         self.lines: dict[str, Line] = {DEFAULT_POLICY: self._open_line(DEFAULT_POLICY, cfg, cfg.checkpoint_dir)}
         self.probe_ids: list[int] = AutoTokenizer.from_pretrained(str(base_dir)).encode(
@@ -290,7 +294,7 @@ class Trainer:
             line.resume = path.resolve()
             figures = {**figures, **gathered}
             self._record(line, path, {**figures, "time_s": step_times(figures)}, batch.samples, batch.session_ids)
-            self._publish(line, path)
+            self._publish_after(line, path)
         except BaseException:
             cast(BatchGatherer, line.batches).release(batch)
             raise
@@ -326,6 +330,8 @@ class Trainer:
                                        self.cfg.keep_checkpoints, merged=merged, protect=line.resume)
 
     def close(self) -> None:
+        self.wait_for_publish()
+        self._publisher.shutdown()
         self.backend.close()
 
     @property
@@ -357,16 +363,31 @@ class Trainer:
                  figures["gather_seconds"], figures.get("loss", 0.0), figures.get("tokens_per_second", 0.0), peaks,
                  figures["set_aside"] or "none", line.counts["stale"], line.counts["zero_variance"])
 
-    def _publish(self, line: Line, path: Path) -> None:
+    def _publish_after(self, line: Line, path: Path) -> None:
+        """Publish now, or with `publish_overlap` on the publishing thread once the previous version's is done
+        (the step after this one trains meanwhile)."""
+        if not self.cfg.publish_overlap or self.hold is not None:
+            self._publish(line, line.version, path)
+            return
+        self.wait_for_publish()
+        self._publishing = self._publisher.submit(self._publish, line, line.version, path)
+
+    def wait_for_publish(self) -> None:
+        """Block until the version being published in the background (if any) is published or has failed."""
+        if self._publishing is not None:
+            self._publishing.result()
+            self._publishing = None
+
+    def _publish(self, line: Line, version: int, path: Path) -> None:
         if line.name == DEFAULT_POLICY:
             if self.publish is None:
                 return
             served = path / checkpoint.MERGED_DIR if self.serves_merged else path
-            hand_over = functools.partial(self.publish, line.version, served, self.kind)
+            hand_over = functools.partial(self.publish, version, served, self.kind)
         else:
             if self.publish_line is None:
                 return
-            hand_over = functools.partial(self.publish_line, line.name, line.version, path)
+            hand_over = functools.partial(self.publish_line, line.name, version, path)
         started = time.perf_counter()
         error = None
         try:
@@ -375,9 +396,9 @@ class Trainer:
             error = f"{type(exc).__name__}: {exc}"
             line.counts["publish_failures"] += 1
             log.error("publishing %s version %d failed, the engine keeps the previous one: %s", line.name,
-                      line.version, error)
+                      version, error)
         with Session(self.db) as s:
-            policy = promotion.version_row(s, line=line.name, version=line.version)
+            policy = promotion.version_row(s, line=line.name, version=version)
             if policy is not None:
                 policy.published_at = None if error else utcnow()
                 policy.publish_error = error

@@ -316,6 +316,8 @@ def test_policies_overview_and_capture_pages_show_the_api_figures(console: Conso
     newest = page.locator(f"#policies tr[data-version='{trained[-1]['version']}']")
     for part in ("wait", "fwd/bwd", "ckpt", "publish"):  # where the step's time went
         sync_api.expect(newest.locator(".step-time")).to_contain_text(part)
+    assert trained[-1]["promotion"] == "immediate"
+    sync_api.expect(newest.locator(".promotion")).to_have_text("immediate")
     for name in ("reward_mean", "advantage_std", "clip_fraction"):
         value = figures[name]  # shown as the console's fmt() does: a whole number without decimals
         sync_api.expect(newest).to_contain_text(str(int(value)) if float(value).is_integer() else f"{value:.3f}")

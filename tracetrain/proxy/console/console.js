@@ -662,6 +662,17 @@ function probeBadge(probes) {
     failed.length ? `${failed.length}/${results.length} failed` : `${results.length} ok`);
 }
 
+// A version's promotion under canary promotion: a canary on trial shows its test's figures so far.
+function promotionBadge(p, canaries) {
+  if (!p.promotion) return "—";
+  const trial = canaries[p.line];
+  const test = p.promotion === "canary" && trial && trial.version === p.version ? trial.test : null;
+  const title = test ? `canary ${test.canary_n} sessions (mean ${fmt(test.canary_mean)}), incumbent ` +
+    `${test.incumbent_n} (mean ${fmt(test.incumbent_mean)})` : (p.decision && p.decision.reason) || "";
+  const cls = p.promotion === "rolled_back" ? "badge bad" : p.promotion === "canary" ? "badge" : "";
+  return el("span", { class: cls, title }, p.promotion.replace("_", " "));
+}
+
 function policiesPage(view, params) {
   const policy = selectedPolicy(params);
   const summary = el("p", { id: "policy-sessions" });
@@ -680,8 +691,11 @@ function policiesPage(view, params) {
     }
     const s = listed.sessions;
     const serving = Object.entries(listed.served_versions).map(([name, version]) => `${name} v${version}`);
-    summary.textContent = `Serving ${serving.join(", ")}. Sessions ready for the trainer: ${s.ready}; ` +
-      `claimed by a step: ${s.leased}; set aside: ${counts(s.set_aside)}.`;
+    const canaries = listed.promotion.canaries || {};
+    const trials = Object.entries(canaries).map(([name, c]) => `${name} v${c.version}`);
+    summary.textContent = `Serving ${serving.join(", ")}. ` +
+      (trials.length ? `Canary on trial: ${trials.join(", ")}. ` : "") +
+      `Sessions ready for the trainer: ${s.ready}; claimed by a step: ${s.leased}; set aside: ${counts(s.set_aside)}.`;
     const trained = listed.data.filter((p) => p.version > 0 && p.metrics.reward_mean !== undefined);
     if (trained.length !== drawn) {  // redraw only when a version appeared
       drawn = trained.length;
@@ -693,7 +707,8 @@ function policiesPage(view, params) {
     const m = (p, name, digits) => el("td", { class: "num" }, fmt(p.metrics[name], digits));
     table.replaceChildren(
       el("thead", {}, el("tr", {}, ["policy", "version", "created", "kind", "reward mean", "advantage spread", "loss", "KL",
-        "entropy", "clip fraction", "samples", "set aside", "staleness", "step time (s)", "probe", "published"]
+        "entropy", "clip fraction", "samples", "set aside", "staleness", "step time (s)", "probe", "published",
+        "promotion"]
         .map((h) => el("th", {}, h)))),
       el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version, "data-line": p.line },
         el("td", {}, p.line), el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
@@ -703,6 +718,7 @@ function policiesPage(view, params) {
         el("td", { class: "step-time" }, stepTime(p)), el("td", {}, probeBadge(p.probes)),
         el("td", {}, p.publish_error ? el("span", { class: "badge bad", title: p.publish_error }, "failed")
           : p.published_at ? when(p.published_at) : "—"),
+        el("td", { class: "promotion" }, promotionBadge(p, canaries)),
       ))),
     );
   }, 5);

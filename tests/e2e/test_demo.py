@@ -24,10 +24,14 @@ def test_short_demo_trains_publishes_and_plots(tmp_path: Path) -> None:
     if find_vllm_python() is None:
         pytest.skip(VLLM_MISSING)
     port, vllm_port = free_port(), free_port()
+    # The agent stops after the first group served by a trained version: one hot swap under running
+    # agents is what the assertions below need; `--minutes` only bounds a run where none comes. A batch
+    # of three groups (the agent's group size is 8) leaves fewer sessions than a batch behind when the
+    # agent stops, so no second step holds the evaluation after training.
     result = subprocess.run(
         [sys.executable, "-m", "tracetrain.cli", "demo", "--minutes", "2", "--eval-size", "8", "--port", str(port),
          "--vllm-port", str(vllm_port), "--out", str(tmp_path), "--engine", "vllm",
-         "--set", "batch_sessions=16", "--set", "min_sessions=16"],
+         "--set", "batch_sessions=24", "--set", "min_sessions=24", "--agent-args", "--until-version 1"],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     before = json.loads((tmp_path / "eval_before.json").read_text())

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +35,58 @@ VLLM_MAX_MODEL_LEN = 4096
 VLLM_MAX_LORA_RANK = 16
 
 
+def _shared_server(model_dir: Path, log_dir: Path) -> VLLMServer:
+    from tracetrain.engines.vllm_server import VLLMServer
+
+    return VLLMServer(
+        model_dir,
+        served_model_name="smollm2",
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        kv_cache_gib=2,
+        enable_lora=True,
+        max_lora_rank=VLLM_MAX_LORA_RANK,
+        log_path=log_dir / "vllm.log",
+    )
+
+
+LAUNCHED = pytest.StashKey["VLLMServer"]()
+LOG_DIR = pytest.StashKey[Path]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Launch the shared vLLM server as soon as the run is known to need it, without waiting for it: its
+    start-up, mostly single-threaded imports, then overlaps the tests that run before the first one
+    that uses it, instead of stalling that test. `vllm_server` waits for it to be healthy."""
+    if session.config.option.collectonly or os.environ.get("TRACETRAIN_TEST_VLLM_URL"):
+        return
+    if not any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from tracetrain.engines.models import smollm2_dir
+    from tracetrain.engines.vllm_server import find_vllm_python
+
+    if find_vllm_python() is None:
+        return  # `vllm_server` skips, naming the setup step
+    log_dir = Path(tempfile.mkdtemp(prefix="tracetrain-test-vllm-"))
+    server = _shared_server(smollm2_dir(), log_dir)
+    server.launch()
+    session.config.stash[LAUNCHED] = server
+    session.config.stash[LOG_DIR] = log_dir
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the launched server (the fixture stops it too when it was used); its log stays if the run failed."""
+    server = session.config.stash.get(LAUNCHED, None)
+    if server is not None:
+        server.stop()
+        if exitstatus == 0:
+            shutil.rmtree(session.config.stash[LOG_DIR], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
-    """A real vLLM server (CPU) on SmolLM2-135M-Instruct, started once per session (about 80 s).
+def vllm_server(request: pytest.FixtureRequest, smollm2_path: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
+    """A real vLLM server (CPU) on SmolLM2-135M-Instruct, shared by the whole session: launched when
+    collection ends (`pytest_collection_finish`), waited for here.
 
     LoRA hot-loading and the dev endpoints (pause, reload) are on, so the publish tests share this one
     server with the engine and gateway tests; the publish tests put the base weights back when done.
@@ -43,7 +94,7 @@ def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     4096, `--enable-lora --max-lora-rank 16`, `VLLM_SERVER_DEV_MODE=1`; `http://host:port` or
     `unix:/path/to/socket`) and skip the start-up while iterating.
     """
-    from tracetrain.engines.vllm_server import VLLMServer, engine_address, find_vllm_python, http_client
+    from tracetrain.engines.vllm_server import engine_address, find_vllm_python, http_client
 
     existing = os.environ.get("TRACETRAIN_TEST_VLLM_URL")
     if existing:
@@ -55,17 +106,15 @@ def vllm_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
         return
     if find_vllm_python() is None:
         pytest.skip(VLLM_MISSING)
-    server = VLLMServer(
-        smollm2_path,
-        served_model_name="smollm2",
-        max_model_len=VLLM_MAX_MODEL_LEN,
-        kv_cache_gib=2,
-        enable_lora=True,
-        max_lora_rank=VLLM_MAX_LORA_RANK,
-        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
-    )
-    with server:
+    server = request.config.stash.get(LAUNCHED, None)
+    if server is None:  # a run whose collection did not ask for it (a test requested it dynamically)
+        server = _shared_server(smollm2_path, tmp_path_factory.mktemp("vllm"))
+        server.launch()
+    try:
+        server.wait_healthy()
         yield RunningVLLM(server.url, server.model_name, VLLM_MAX_MODEL_LEN, smollm2_path, server)
+    finally:
+        server.stop()
 
 
 @pytest.fixture

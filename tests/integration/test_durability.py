@@ -58,16 +58,26 @@ def durable_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def _start_gateway(model_dir: Path, db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    process = _spawn_gateway(model_dir, db_url, port, log)
+    _wait_for_gateway(process, port, log)
+    return process
+
+
+def _spawn_gateway(model_dir: Path, db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """`tracetrain serve` on the tiny model, not waited for: several can start side by side."""
     command = [sys.executable, "-m", "tracetrain.cli", "serve", "--engine", "transformers", "--model",
                str(model_dir), "--served-model-name", "tiny", "--db-url", db_url, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _wait_for_gateway(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"gateway exited early:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
+                return
         except httpx.TransportError:
             time.sleep(0.2)
     process.kill()

@@ -51,9 +51,11 @@ reach a policy through the document's example, `default` (a hook that rewrote pa
 take a case with an invalid session id for a valid one)."""
 POLICIES = [{"name": POLICY}]
 SEED = 20261126
-MAX_TOKENS, MAX_CHOICES = 8, 2
+MAX_TOKENS, MAX_CHOICES = 4, 2
 """What a fuzzed request may make the engine generate: larger `max_tokens` and `n` are cut to these. Valid
-either way, and the gateway's handling of them does not depend on their size; only the run's length does."""
+either way, and the gateway's handling of them does not depend on their size; only the run's length does,
+and the engine's token steps are most of it. Four tokens still make a stream of several chunks and text a
+stop string can cut; two choices still make `n` more than one."""
 CONTEXT = 512
 """Tokens of context the tiny model gets here (its own is 2048): a fuzzed prompt can be thousands of tokens,
 and the prefill of one that long would take minutes. A prompt over it is a 400 `context_length_exceeded`, a
@@ -247,7 +249,7 @@ def fuzz(gw: RunningGateway, headers: dict[str, str], *, max_examples: int, phas
     schema.config.generation.update(max_examples=max_examples, deterministic=True, database="none")
     if phases is not None:
         schema.config.phases.update(phases=phases)
-    vocab = len(gw.gateway.renderer.tokenizer)
+    vocab = gw.gateway.renderer.vocab_size
     tally = Tally()
 
     @schema.hook

@@ -21,9 +21,9 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from tests.integration.test_durability import _start_gateway
+from tests.integration.test_durability import _spawn_gateway, _wait_for_gateway
 from tests.support.servers import PostgresCluster, free_port
-from tracetrain.store.db import connect_db
+from tracetrain.store.db import connect_db, open_db
 from tracetrain.store.models import Call, Reward
 
 pytestmark = pytest.mark.slow
@@ -40,17 +40,19 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def two_gateways(tiny_model_path: Path, db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """Two `tracetrain serve` processes on the store, started once per store: starting a pair is most
-    of what these tests would otherwise spend."""
+    """Two `tracetrain serve` processes on the store, started once per store and side by side: starting
+    a pair is most of what these tests would otherwise spend. The store gets its tables first, so that
+    neither process finds the other's migration half done."""
     tmp_path = tmp_path_factory.mktemp("gateways")
+    open_db(db_url).dispose()
     processes: list[subprocess.Popen[bytes]] = []
-    urls = []
+    ports, logs = [free_port(), free_port()], [tmp_path / "gateway-a.log", tmp_path / "gateway-b.log"]
     try:
-        for name in ("a", "b"):
-            port = free_port()
-            processes.append(_start_gateway(tiny_model_path, db_url, port, tmp_path / f"gateway-{name}.log"))
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
+        for port, log in zip(ports, logs, strict=True):
+            processes.append(_spawn_gateway(tiny_model_path, db_url, port, log))
+        for process, port, log in zip(processes, ports, logs, strict=True):
+            _wait_for_gateway(process, port, log)
+        yield [f"http://127.0.0.1:{port}" for port in ports]
     finally:
         for process in processes:
             process.terminate()

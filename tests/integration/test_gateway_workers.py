@@ -36,8 +36,19 @@ from tracetrain.store.models import Policy, utcnow
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def workers_gateway(vllm_server: RunningVLLM, smollm2_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """Shared by the tests below that leave its workers running: one publishes a version, the other only
+    opens connections, and neither depends on what the other did (the served version does not matter to
+    the spread, and nothing else publishes through it)."""
+    yield from start_workers(vllm_server, smollm2_path, tmp_path_factory.mktemp("workers"), "train.lora=true",
+                             "train.publish=lora")
+
+
 @pytest.fixture
-def workers_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+def own_workers_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A gateway of the test's own, for a test that kills its workers."""
     yield from start_workers(vllm_server, smollm2_path, tmp_path, "train.lora=true", "train.publish=lora")
 
 
@@ -188,14 +199,15 @@ def wait_for_workers(port: int, n: int, timeout_s: float = 120) -> set[int]:
     return pids
 
 
-def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, str], tmp_path: Path) -> None:
+def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, str]) -> None:
     """Each worker accepts on its own socket and the kernel spreads connections among them; with one shared
     socket, the worker that wakes first takes a whole burst (proxy/processes.py)."""
-    url, _ = workers_gateway
+    url, db_url = workers_gateway
     port = int(url.rsplit(":", 1)[1])
     workers = wait_for_workers(port, 2)
+    log = Path(db_url.removeprefix("sqlite:///")).with_name("gateway.log")
     deadline = time.monotonic() + 10  # the supervisor says so too (it polls its workers' reports)
-    while "all 2 gateway workers listen" not in (tmp_path / "gateway.log").read_text():
+    while "all 2 gateway workers listen" not in log.read_text():
         assert time.monotonic() < deadline, "the supervisor did not log that every worker listens"
         time.sleep(0.1)
     opened = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
@@ -211,9 +223,9 @@ def test_new_connections_spread_over_every_worker(workers_gateway: tuple[str, st
     assert min(held[pid] for pid in workers) >= 4, held
 
 
-def test_a_killed_worker_is_replaced_and_stopping_stops_them_all(workers_gateway: tuple[str, str],
+def test_a_killed_worker_is_replaced_and_stopping_stops_them_all(own_workers_gateway: tuple[str, str],
                                                                  vllm_server: RunningVLLM) -> None:
-    url, _ = workers_gateway
+    url, _ = own_workers_gateway
     port = int(url.rsplit(":", 1)[1])
     first, second = wait_for_workers(port, 2)
     supervisor = psutil.Process(first).parent()

@@ -192,7 +192,7 @@ def test_a_replica_killed_under_load_loses_nothing_and_comes_back(replicated: Ru
     threads = [threading.Thread(target=agent, args=(n,)) for n in range(4)]
     for t in threads:
         t.start()
-    time.sleep(8)
+    wait_until(lambda: sum(status == 200 for _, status in results) >= 8, 120, "8 calls answered before the kill")
     assert second_server.process is not None
     os.killpg(second_server.process.pid, signal.SIGKILL)
     killed_at = time.monotonic()

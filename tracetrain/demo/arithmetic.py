@@ -12,7 +12,8 @@ reward endpoint. Each problem is attempted `--group-size` times in one group, so
 prompt); `--reward-delay LO HI` posts each reward LO to HI seconds after its episode, so rewards arrive
 late and out of order; `--reward-share P` rewards only that share of episodes (the rest never get one);
 `--reward-flip P` flips that share of rewards (r -> 1 - r); `--reward exact` pays only an exact answer,
-a task where most attempts of the base model earn nothing.
+a task where most attempts of the base model earn nothing. `--until-version V` stops once a policy
+version V or later has served an episode (a short run that sees one hot swap).
 
 **The split.** Sums `a + b` with 1 <= a, b <= 30 are split once, by a fixed seed, on the *unordered*
 pair {a, b}: `TEST` (the held-out set every figure is measured on), `VALIDATION` (for choosing
@@ -150,6 +151,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
     limit = asyncio.Semaphore(args.concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     done, total, started = 0, 0.0, time.monotonic()
+    newest = 0  # the newest policy version an episode was served by
     deadline = started + args.minutes * 60 if args.minutes else None
     pending: set[asyncio.Task[None]] = set()
     async with httpx.AsyncClient(headers=headers, timeout=120) as http:
@@ -161,7 +163,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
             posted.raise_for_status()
 
         async def one(question: str, answer: int, group: str, plan: RewardPlan) -> None:
-            nonlocal done, total
+            nonlocal done, total, newest
             async with limit:
                 session = f"arith-{uuid.uuid4().hex[:12]}"
                 # A gateway under `gateway.admission: staleness` answers 429 with Retry-After while the trainer
@@ -175,6 +177,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
                     print(f"episode {session} failed: {exc}", file=sys.stderr, flush=True)
                     return
             reward = scorer(reply, answer)
+            newest = max(newest, version)
             if plan.post:
                 task = asyncio.create_task(post_reward(session, plan.reward(reward), plan.delay_s))
                 pending.add(task)
@@ -188,7 +191,8 @@ async def train_episodes(args: argparse.Namespace) -> None:
                       f"({done / (time.monotonic() - started):.2f} episodes/s)", flush=True)
 
         episode = 0
-        while (args.episodes is None or episode < args.episodes) and (deadline is None or time.monotonic() < deadline):
+        while ((args.episodes is None or episode < args.episodes) and (deadline is None or time.monotonic() < deadline)
+               and (args.until_version is None or newest < args.until_version)):
             question, answer, group = make_problem(rng)
             draws = [RewardPlan.draw(plans, share=args.reward_share, delay=args.reward_delay, flip=args.reward_flip)
                      for _ in range(args.group_size)]
@@ -229,6 +233,8 @@ def main() -> None:
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    parser.add_argument("--until-version", type=int, default=None, metavar="V",
+                        help="stop after the first group with an episode served by policy version V or later")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--no-group", action="store_true",
                         help="name no group in the URL (the gateway groups repeats of a prompt itself)")
@@ -251,7 +257,7 @@ def main() -> None:
         parser.error("--reward-share and --reward-flip are shares between 0 and 1")
     if not 0.0 <= args.reward_delay[0] <= args.reward_delay[1]:
         parser.error("--reward-delay takes LO HI with 0 <= LO <= HI")
-    if args.episodes is None and args.minutes is None and not args.eval:
+    if args.episodes is None and args.minutes is None and args.until_version is None and not args.eval:
         args.episodes = 64
     asyncio.run(evaluate(args) if args.eval else train_episodes(args))
 

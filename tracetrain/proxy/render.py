@@ -221,6 +221,9 @@ class ChatRenderer:
         # whose thread pool showed up in the gateway's profile under load; same ids.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         vocab = tokenizer.get_vocab()
+        self.vocab_size = len(tokenizer)
+        """Token ids below this are the model's (added tokens included). Counted once: transformers counts
+        the whole vocabulary on every `len(tokenizer)`, which a text completion's id check paid per call."""
         self.turn_end_id: int | None = vocab.get("<|im_end|>", tokenizer.eos_token_id)
         self.turn_end_text: str | None = (
             None if self.turn_end_id is None else tokenizer.convert_ids_to_tokens(self.turn_end_id))

@@ -129,7 +129,7 @@ def _spec(gw: Gateway, request: Request, body: CompletionRequest) -> CallSpec:
     ids = _prompt_ids(gw, body.prompt)
     if not ids:
         raise APIError(400, "The prompt is empty.", code="invalid_value", param="prompt")
-    vocab = len(gw.renderer.tokenizer)
+    vocab = gw.renderer.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"Prompt token ids must be in [0, {vocab}).", code="invalid_value", param="prompt")
     params = SamplingParams(

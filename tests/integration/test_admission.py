@@ -104,11 +104,11 @@ def test_each_policy_is_admitted_against_its_own_limit(admitting_policies: Runni
     assert refused.value.response.json()["error"]["code"] == "admission_full"
     assert "of policy 'busy'" in refused.value.response.json()["error"]["message"]
 
-    began = time.monotonic()
-    for session in ("q1", "q2", "q3"):  # a full busy policy holds no other policy's agents
+    # A full busy policy holds no other policy's agents: a request held for busy's room would wait out
+    # admission_wait_s and be refused, since nothing frees it here (each call below raises if refused).
+    for session in ("q1", "q2", "q3"):
         _ask_policy(gw, "quiet", session)
     _ask(gw, "d1", "gd")  # nor the default policy's
-    assert time.monotonic() - began < 1.0, "nothing waited for the busy policy's room"
     with pytest.raises(openai.RateLimitError):  # quiet's own limit: one batch of its own batch_sessions, 3
         _ask_policy(gw, "quiet", "q4")
 

@@ -8,6 +8,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,23 @@ def test_new_stores_start_at_the_newest_revision(db_url: str) -> None:
     open_db(db_url)
     assert schema.revision(connect_db(db_url)) == (schema.head(), True)
     open_db(db_url)  # and open again without complaint
+
+
+def test_processes_opening_one_new_store_at_once_all_get_the_newest_revision(db_url: str) -> None:
+    """`serve --workers N`, or several gateways started together on a new store: one creates the schema, the
+    others wait for it instead of refusing a half-made store as tracetrain 0.1's or failing on a table that
+    appeared meanwhile."""
+    opener = ("import sys, time; from tracetrain.store.db import open_db; "
+              "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_db(sys.argv[1]); print('ok')")
+    start = time.time() + 4.0  # the interpreters are up by then; all open the store at that moment
+    processes = [subprocess.Popen([sys.executable, "-c", opener, db_url, str(start)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=120) for p in processes]
+    for process, (out, err) in zip(processes, results, strict=True):
+        assert process.returncode == 0 and out.strip() == "ok", err[-2000:]
+    assert schema.revision(connect_db(db_url)) == (schema.head(), True)
+    with Session(open_db(db_url)) as s:
+        assert [p.version for p in s.exec(select(Policy)).all()] == [0]
 
 
 def test_0011_downgrades_to_0010_and_upgrades_again_keeping_the_sessions(db_url: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, create_engine
 
 from tracetrain.store import schema
@@ -24,7 +25,10 @@ def open_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
     with Session(db) as s:
         if s.get(Policy, (DEFAULT_POLICY, 0)) is None:
             s.add(Policy(version=0))
-            s.commit()
+            try:
+                s.commit()
+            except IntegrityError:  # another process opening the new store added it first
+                s.rollback()
     return db
 
 

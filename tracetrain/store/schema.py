@@ -4,10 +4,19 @@ A new, empty store is created at the newest revision. A store at an older revisi
 tracetrain 0.1 (its tables, no `alembic_version`), is never changed behind the user's back: opening
 it raises `StoreOutOfDate`, which says to run `tracetrain db upgrade` (after a backup). That command
 stamps a 0.1 store with the baseline revision, whose tables it has, and applies the later ones.
+
+Several processes may open one new store at once (`serve --workers N`, gateways and a trainer started
+together). One at a time checks and creates its schema, under a lock: a PostgreSQL advisory lock, or for
+SQLite an exclusive `flock` on a file beside the database (`<file>-schema.lock`). Without it, one process
+saw another's tables before their revision was written (SQLite commits each CREATE TABLE on its own) and
+refused the store as tracetrain 0.1's, or failed creating a table that had just appeared.
 """
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from importlib.resources import files
 
@@ -15,12 +24,13 @@ from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
 
 BASELINE = "0001"
 """The revision whose tables tracetrain 0.1 created without Alembic."""
 TABLES = {"sessions", "calls", "rewards", "policies"}
+ADVISORY_LOCK = 0x7472_6163_6574_7261  # "tracetra": the PostgreSQL advisory lock key of schema changes
 
 
 class StoreOutOfDate(RuntimeError):
@@ -48,14 +58,40 @@ def revision(db: Engine) -> tuple[str | None, bool]:
     return current, bool(tables & TABLES)
 
 
+@contextmanager
+def schema_lock(db: Engine) -> Iterator[None]:
+    """One process at a time checks or changes the store's schema (see the module's docstring)."""
+    if db.dialect.name == "postgresql":
+        with db.connect() as connection:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": ADVISORY_LOCK})
+            try:
+                yield
+            finally:
+                connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": ADVISORY_LOCK})
+                connection.commit()
+    elif db.dialect.name == "sqlite" and db.url.database not in (None, "", ":memory:"):
+        with open(f"{db.url.database}-schema.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    else:
+        yield
+
+
 def ensure_current(db: Engine) -> None:
     """Create an empty store at the newest revision; refuse an older one with what to run."""
-    current, has_tables = revision(db)
+    current, _ = revision(db)
     if current == head():
         return
-    if current is None and not has_tables:
-        upgrade(db)
-        return
+    with schema_lock(db):
+        current, has_tables = revision(db)  # another process may have created it while this one waited
+        if current == head():
+            return
+        if current is None and not has_tables:
+            _upgrade(db)
+            return
     found = current or "tracetrain 0.1 (no revision)"
     raise StoreOutOfDate(
         f"The store at {db.url.render_as_string(hide_password=True)} has schema {found}; this tracetrain "
@@ -64,6 +100,11 @@ def ensure_current(db: Engine) -> None:
 
 def upgrade(db: Engine) -> tuple[str | None, str]:
     """Migrate the store to the newest revision; returns (revision before, revision after)."""
+    with schema_lock(db):
+        return _upgrade(db)
+
+
+def _upgrade(db: Engine) -> tuple[str | None, str]:
     before, has_tables = revision(db)
     with db.begin() as connection:
         config = _config(connection)

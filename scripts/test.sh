@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check tracetrain tests bench examples
-.venv/bin/mypy tracetrain
+.venv/bin/mypy tracetrain bench
 .venv/bin/lint-imports  # layers: docs/architecture.md, decision 10
 # The suite writes a few GB of checkpoints under the temp dir at its peak: say so up front when space is short.
 tmp="${TMPDIR:-/tmp}"

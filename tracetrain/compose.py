@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy.engine import Engine as DBEngine
 
 from tracetrain.config import Config, GatewayConfig
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import Checkpoint, Publisher
+from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, Publisher
 from tracetrain.engines.replicas import ReplicaSet
 from tracetrain.proxy.admission import Admission
 from tracetrain.proxy.auth import KeyRing, fingerprint
@@ -51,7 +51,8 @@ def build_gateway(config: Config, engine: Engine, tokenizer: Any, db: DBEngine, 
     engine_sleep = (EngineSleep(holds, engine) if config.engine.sleep == "on" and isinstance(engine, ReplicaSet)
                     else None)
     read = functools.partial(read_in_thread, db)
-    canaries = Canaries(config.promotion, engine, read=read, write=writer.submit)
+    canaries = Canaries(config.promotion, engine, read=read, write=writer.submit,
+                        publisher=cast(CanaryPublisher | None, publisher))
     publishing = PublishController(engine, publisher, writer=writer, read=read, holds=holds, canaries=canaries,
                                    engine_sleep=engine_sleep)
     template = config.gateway.chat_template.read_text() if config.gateway.chat_template else None

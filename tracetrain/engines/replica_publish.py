@@ -209,8 +209,7 @@ class ReplicaPublisher:
         lora = self._lora()[index]
         await lora.stage(checkpoint)
         try:
-            await self._verify(index, checkpoint, lora.adapter_name(checkpoint.version)
-                               if checkpoint.line == DEFAULT_POLICY else lora.line_adapter(checkpoint))
+            await self._verify(index, checkpoint, lora.adapter_for(checkpoint))
         except PublishError:
             await lora.retire(checkpoint.version, checkpoint.line)
             raise

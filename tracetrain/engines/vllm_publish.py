@@ -99,9 +99,10 @@ class VLLMLoRAPublisher:
                 names = {m.get("id") for m in response.json().get("data", [])}
             except (httpx.HTTPError, ValueError, AttributeError):
                 return False
-        return self._name(checkpoint) in names
+        return self.adapter_for(checkpoint) in names
 
-    def _name(self, checkpoint: Checkpoint) -> str:
+    def adapter_for(self, checkpoint: Checkpoint) -> str:
+        """The adapter name of a version of any line."""
         return self.adapter_name(checkpoint.version) if checkpoint.line == DEFAULT_POLICY else \
             self.line_adapter(checkpoint)
 
@@ -116,7 +117,10 @@ class VLLMLoRAPublisher:
 
     def line_adapter(self, checkpoint: Checkpoint) -> str:
         """A named policy's version as its own adapter name, next to every other line's."""
-        return f"{self.prefix}-{checkpoint.line}-v{checkpoint.version}"
+        return self._line_name(checkpoint.line, checkpoint.version)
+
+    def _line_name(self, line: str, version: int) -> str:
+        return f"{self.prefix}-{line}-v{version}"
 
     async def publish_line(self, checkpoint: Checkpoint) -> None:
         """A named policy's version, served to that policy's requests from the next one on; every other line
@@ -181,8 +185,7 @@ class VLLMLoRAPublisher:
         """Stop serving a staged version: requests asking for it get the line's current one (best effort
         unload)."""
         if line != DEFAULT_POLICY:
-            name = self.engine.line_canaries.pop((line, version), None) or \
-                self.line_adapter(Checkpoint(version, Path(), "lora", line))
+            name = self.engine.line_canaries.pop((line, version), None) or self._line_name(line, version)
         else:
             self.engine.adapters.pop(version, None)
             name = self.adapter_name(version)

@@ -53,13 +53,14 @@ class Promotion:
     """One line's canary trial."""
 
     def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write,
-                 line: str = DEFAULT_POLICY) -> None:
-        """`read` runs a query off the event loop; `write` goes through the store writer."""
+                 publisher: CanaryPublisher | None, line: str = DEFAULT_POLICY) -> None:
+        """`read` runs a query off the event loop; `write` goes through the store writer; `publisher` loads
+        versions into the engine (None: this gateway does not publish)."""
         self.config = config
         self.engine = engine
         self.line = line
         self._read, self._write = read, write
-        self.publisher: CanaryPublisher | None = None
+        self.publisher = publisher
         self.trial: Trial | None = None
         self._lock = asyncio.Lock()
 
@@ -186,21 +187,12 @@ class Canaries:
     """Every line's trial in this process: the default line's always, a named policy's once it has a canary
     (staged here, or found in the store staged by another process)."""
 
-    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write) -> None:
+    def __init__(self, config: PromotionConfig, engine: Engine, *, read: Read, write: Write,
+                 publisher: CanaryPublisher | None) -> None:
         self.config, self.engine, self._read, self._write = config, engine, read, write
-        self._publisher: CanaryPublisher | None = None
+        self.publisher = publisher
         self.lines: dict[str, Promotion] = {}
         self.default = self.line(DEFAULT_POLICY)
-
-    @property
-    def publisher(self) -> CanaryPublisher | None:
-        return self._publisher
-
-    @publisher.setter
-    def publisher(self, publisher: CanaryPublisher | None) -> None:
-        self._publisher = publisher
-        for promotion in self.lines.values():
-            promotion.publisher = publisher
 
     @property
     def enabled(self) -> bool:
@@ -211,8 +203,7 @@ class Canaries:
         promotion = self.lines.get(name)
         if promotion is None:
             promotion = self.lines[name] = Promotion(self.config, self.engine, read=self._read, write=self._write,
-                                                     line=name)
-            promotion.publisher = self._publisher
+                                                     publisher=self.publisher, line=name)
         return promotion
 
     def states(self) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from tracetrain.config import DEFAULT_POLICY
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import CanaryPublisher, Checkpoint, LinePublisher, Publisher, line_version
+from tracetrain.engines.publishing import Checkpoint, LinePublisher, Publisher, line_version
 from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
@@ -53,7 +53,6 @@ class PublishController:
     async def start(self) -> None:
         await self._start_replica_sync()
         if self.canaries.enabled:
-            self.canaries.publisher = cast(CanaryPublisher | None, self.publisher)
             self._tasks.append(asyncio.create_task(self.canaries.run()))
         else:
             self._tasks.append(asyncio.create_task(self._follow_versions()))
@@ -116,7 +115,6 @@ class PublishController:
             self._refuse_second_canary(checkpoint)
             try:
                 if self.canaries.enabled:
-                    self.canaries.publisher = cast(CanaryPublisher, self.publisher)
                     await self.canaries.line(checkpoint.line).stage(checkpoint)
                     return
                 await cast(LinePublisher, self.publisher).publish_line(checkpoint)
@@ -142,7 +140,6 @@ class PublishController:
     async def _load(self, checkpoint: Checkpoint) -> None:
         assert self.publisher is not None
         if self.canaries.enabled:
-            self.canaries.publisher = cast(CanaryPublisher, self.publisher)
             await self.canaries.default.stage(checkpoint)
             return
         # A publisher that pauses the engine (in-place reload) would let requests sent meanwhile

@@ -144,7 +144,10 @@ def latest_published(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | Non
 
 def latest_published_by_line(db: Session) -> dict[str, Policy]:
     """Each line's newest published version (lines with none published are left out)."""
-    query = select(Policy).where(col(Policy.published_at).is_not(None)).order_by(col(Policy.version))
+    published = col(Policy.published_at).is_not(None)
+    newest = select(Policy.line, func.max(Policy.version).label("version")).where(published).group_by(
+        col(Policy.line)).subquery()
+    query = select(Policy).join(newest, (col(Policy.line) == newest.c.line) & (col(Policy.version) == newest.c.version))
     return {row.line: row for row in db.exec(query).all()}
 
 

@@ -934,6 +934,7 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
 
     import torch
 
+    from tracetrain.engines.probe import Probe, ProbeCheck, write_probe
     from tracetrain.engines.publishing import Checkpoint
     from tracetrain.engines.vllm import VLLMEngine
     from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
@@ -942,6 +943,7 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
     from tracetrain.trainer.local_backend import LocalBackend
 
     base = model_dir(spec, work, device=device, save_dtype="bfloat16", tokenizer=True)
+    probe_ids = [3 + (7 * t) % min(spec.vocab - 3, 4096) for t in range(PROBE_TOKENS)]
     checkpoints: dict[str, Path] = {}
     for lora in (True, False):
         cfg = train_config(work, device="cuda" if device.startswith("cuda") else device, dtype=dtype, lora=lora,
@@ -953,9 +955,11 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         backend.save(path, merged=False)
+        write_probe(path, Probe(probe_ids, backend.logprobs(probe_ids), dtype))
         del backend
         free_memory()
         checkpoints["lora" if lora else "full"] = path
+    checkpoints["wrong"] = wrong_adapter(checkpoints["lora"], work / f"{spec.name}-lora-wrong")
     extra = ["--gpu-memory-utilization", str(memory_share)] if device.startswith("cuda") else []
     server = VLLMServer(base, served_model_name="gpu-check", python=python,
                         dtype="bfloat16" if device.startswith("cuda") else "float32", max_model_len=2048,
@@ -965,6 +969,16 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
     server.start()
     start_s = time.perf_counter() - started
     times: dict[str, list[float]] = {"lora": [], "full": []}
+    probes: dict[str, dict[str, Any]] = {}
+    served_dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    check = ProbeCheck(served_dtype)
+
+    async def probe(name: str, model: str, directory: Path) -> None:
+        result = await check(engine, model, directory)
+        assert result is not None
+        probes[name] = {"mean_diff": result.mean_diff, "max_diff": result.max_diff, "tolerance": result.tolerance,
+                        "ok": result.ok}
+
     try:
         engine = VLLMEngine(server.url, server.model_name, timeout=120)
         lora_publisher = VLLMLoRAPublisher(engine)
@@ -975,11 +989,15 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
                 t0 = time.perf_counter()
                 await lora_publisher.publish(Checkpoint(version, checkpoints["lora"], "lora"))
                 times["lora"].append(time.perf_counter() - t0)
-            engine.use_adapter(None, repeats)
-            for version in range(repeats + 1, 2 * repeats + 1):
+            await probe("lora", engine.served_model, checkpoints["lora"])
+            await lora_publisher.publish(Checkpoint(repeats + 1, checkpoints["wrong"], "lora"))
+            await probe("wrong lora (caught?)", engine.served_model, checkpoints["wrong"])
+            engine.use_adapter(None, repeats + 1)
+            for version in range(repeats + 2, 2 * repeats + 2):
                 t0 = time.perf_counter()
                 await reload_publisher.publish(Checkpoint(version, checkpoints["full"], "full"))
                 times["full"].append(time.perf_counter() - t0)
+            await probe("full", server.model_name, checkpoints["full"])
 
         asyncio.run(publish_all())
         with http_client(server.url, timeout=60) as client:
@@ -988,24 +1006,64 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
         answered = answer.status_code == 200
     finally:
         server.stop()
+    probed = "; ".join(f"{name} mean {p['mean_diff']:.2e} max {p['max_diff']:.2e} {'ok' if p['ok'] else 'REFUSED'}"
+                       for name, p in probes.items())
     return {"model": spec.name, "server_start_s": start_s, "lora_publish_s": times["lora"],
-            "full_reload_s": times["full"], "answers_after": answered,
+            "full_reload_s": times["full"], "answers_after": answered, "probes": probes,
             "summary": f"{spec.name}: server up in {start_s:.0f}s; LoRA load {_seconds(times['lora'])}; full reload "
-                       f"{_seconds(times['full'])}; answers after: {answered}"}
+                       f"{_seconds(times['full'])}; answers after: {answered}; probe ({served_dtype}, tolerance "
+                       f"{check.tolerance:.0e} mean): {probed}"}
+
+
+PROBE_TOKENS = 64
+"""Tokens of part 3's publish probe: the trainer's logprobs of them go into each checkpoint (engines/probe.py)."""
+
+
+def wrong_adapter(adapter: Path, target: Path) -> Path:
+    """A copy of `adapter` carrying its probe but other weights (every LoRA B redrawn): what a replica that
+    silently loads the wrong adapter serves. The probe must refuse it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(adapter, target)
+    weights = target / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    generator = torch.Generator().manual_seed(1)
+    redrawn = {name: (torch.randn(t.shape, generator=generator, dtype=torch.float32) * 0.1).to(t.dtype)
+               if "lora_B" in name else t for name, t in tensors.items()}
+    save_file(redrawn, str(weights))
+    return target
 
 
 def _seconds(values: list[float]) -> str:
     return ", ".join(f"{v:.2f}s" for v in values) or "none"
 
 
+LEARN_SPEC = ModelSpec("smollm2-body-v64", 576, 30, 9, 3, 1536, 64,
+                       "SmolLM2-135M's decoder with a 64-word vocabulary, random weights: a task it can learn in "
+                       "minutes")
+TARGET_WORDS = frozenset(f"t{i}" for i in range(3, 11))
+"""Part 3's learning task: the reward is the share of these 8 words (of 61) in the answer, 0.13 by chance."""
+
+
+def target_share(text: str) -> float:
+    words = text.split()
+    return sum(word in TARGET_WORDS for word in words) / len(words) if words else 0.0
+
+
 def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: Path, memory_share: float,
-                           timeout_s: float) -> dict[str, Any]:
+                           timeout_s: float, learn_s: float) -> dict[str, Any]:
     """`tracetrain serve --train` on the GPU with the settings of issue 29 (engine.gpus, train.gpus,
-    engine.memory_share, engine.sleep): agents' calls and rewards until the first trained version serves."""
+    engine.memory_share, engine.sleep: vLLM sleeps during each sync step), agents on the gateway for
+    `learn_s` seconds: rounds of 8 sessions (2 groups of 4), each rewarded with the share of
+    TARGET_WORDS in its answer. Reports versions per minute, reward per served version, failed calls."""
     import httpx
     import yaml
 
     base = model_dir(spec, work, device=device, save_dtype="bfloat16", tokenizer=True)
+    for stale in (work / "serve.db", work / "serve-ckpt"):  # a fresh store and trainer each run
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     port = free_port()
     gpu = device.startswith("cuda")
     engine: dict[str, Any] = {"kind": "vllm", "model": str(base), "served_model_name": "gpu-check",
@@ -1013,7 +1071,7 @@ def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: P
     config = {"gateway": {"host": "127.0.0.1", "port": port}, "engine": engine,
               "store": {"url": f"sqlite:///{work / 'serve.db'}"},
               "train": {"device": "cuda" if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32", "lora": True,
-                        "mode": "sync", "batch_sessions": 8, "min_sessions": 8, "max_steps": 1, "poll_s": 0.2,
+                        "mode": "sync", "batch_sessions": 8, "min_sessions": 8, "poll_s": 0.2, "lr": 1e-3,
                         "group_settle_s": 0, "fill_timeout_s": 2, "micro_batch_tokens": 4096,
                         "checkpoint_dir": str(work / "serve-ckpt")}}
     if gpu:
@@ -1028,6 +1086,22 @@ def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: P
                                     "--train"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                    start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    calls: list[dict[str, Any]] = []
+
+    def attempt(client: httpx.Client, session: str, group: str) -> dict[str, Any]:
+        try:
+            reply = client.post(f"{url}/s/{session}/g/{group}/v1/completions",
+                                json={"model": "gpu-check", "prompt": "t11 t12 t13", "max_tokens": 16,
+                                      "temperature": 1.0})
+            reply.raise_for_status()
+            reward = target_share(reply.json()["choices"][0]["text"])
+            client.post(f"{url}/v1/rewards", json={"session_id": session, "reward": reward,
+                                                   "final": True}).raise_for_status()
+            return {"ok": True, "reward": reward, "version": int(reply.headers.get("x-policy-version", "0")),
+                    "t": time.perf_counter() - started}
+        except httpx.HTTPError as exc:
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200], "t": time.perf_counter() - started}
+
     try:
         with httpx.Client(timeout=60) as client:
             while True:
@@ -1040,30 +1114,47 @@ def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: P
                     raise TimeoutError(f"serve not healthy after {timeout_s:.0f}s: {_tail(log_path)}")
                 time.sleep(1)
             healthy_s = time.perf_counter() - started
-            for i in range(8):
-                session, group = f"gc-{i}", f"g{i // 4}"
-                reply = client.post(f"{url}/s/{session}/g/{group}/v1/completions",
-                                    json={"model": "gpu-check", "prompt": "t5 t6 t7", "max_tokens": 8,
-                                          "temperature": 1.0})
-                reply.raise_for_status()
-                client.post(f"{url}/v1/rewards", json={"session_id": session, "reward": float(i % 2),
-                                                       "final": True}).raise_for_status()
-            version = 0
-            while version < 1:
-                if time.perf_counter() - started > timeout_s:
-                    raise TimeoutError(f"no trained version served after {timeout_s:.0f}s: {_tail(log_path)}")
-                time.sleep(2)
-                probe = client.post(f"{url}/s/probe/v1/completions",
-                                    json={"model": "gpu-check", "prompt": "t5", "max_tokens": 1})
-                version = int(probe.headers.get("x-policy-version", "0"))
-            served_s = time.perf_counter() - started
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(8) as pool:
+                round_ = 0
+                while time.perf_counter() - started < healthy_s + learn_s:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"serve exited with {process.returncode}: {_tail(log_path)}")
+                    futures = [pool.submit(attempt, client, f"r{round_}-{i}", f"r{round_}-g{i // 4}")
+                               for i in range(8)]
+                    calls.extend(f.result() for f in futures)
+                    round_ += 1
+            learned_s = time.perf_counter() - started - healthy_s
+            policies = client.get(f"{url}/v1/policies").json()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 15)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=60)
-    return {"healthy_s": healthy_s, "first_version_served_s": served_s, "config": config,
-            "summary": f"healthy after {healthy_s:.0f}s; version 1 served {served_s:.0f}s after start"}
+    answered = [c for c in calls if c["ok"]]
+    by_version: dict[int, list[float]] = {}
+    for c in answered:
+        by_version.setdefault(c["version"], []).append(c["reward"])
+    curve = [{"version": v, "sessions": len(r), "mean_reward": statistics.fmean(r)}
+             for v, r in sorted(by_version.items())]
+    last = max(by_version) if by_version else 0
+    first_served = min((c["t"] for c in answered if c["version"] >= 1), default=None)
+    failed = len(calls) - len(answered)
+    rewards = [point["mean_reward"] for point in curve]
+    shown = ", ".join(f"v{p['version']} {p['mean_reward']:.2f} (n={p['sessions']})" for p in curve[:3])
+    if len(curve) > 3:
+        shown += ", …, " + ", ".join(f"v{p['version']} {p['mean_reward']:.2f} (n={p['sessions']})"
+                                     for p in curve[-2:])
+    return {"healthy_s": healthy_s, "learn_s": learned_s, "first_version_served_s": first_served,
+            "calls": len(calls), "failed_calls": failed, "errors": [c["error"] for c in calls if not c["ok"]][:5],
+            "versions_served": last, "versions_per_min": 60 * last / learned_s if learned_s else None,
+            "reward_by_version": curve, "config": config, "policies": policies.get("data", policies)
+            if isinstance(policies, dict) else policies,
+            "summary": f"healthy after {healthy_s:.0f}s; {len(calls)} calls in {learned_s:.0f}s, {failed} failed; "
+                       f"{last} versions served ({60 * last / learned_s:.1f}/min); mean reward by served version "
+                       f"(chance 0.13): {shown}; first {rewards[0] if rewards else float('nan'):.2f} → last "
+                       f"{rewards[-1] if rewards else float('nan'):.2f}"}
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -1084,13 +1175,20 @@ def run_part3(part: Part, *, device: str, dtype: str, work: Path, explicit_pytho
         log(f"part 3 skipped: {why}")
         return
     specs = [TINY] if part.dry_run else [SMOLLM2_135M, LLAMA_1B]
-    for spec in specs:
-        part.measure(f"publish latency, {spec.name}", 1 if part.dry_run else 150, functools.partial(
-            publish_latency, spec, python=python, device=device, dtype=dtype, work=work, memory_share=memory_share,
-            repeats=3))
-    part.measure(f"serve --train end to end, {specs[0].name}", 1 if part.dry_run else 200, functools.partial(
-        serve_train_end_to_end, specs[0], python=python, device=device, work=work, memory_share=memory_share,
-        timeout_s=180))
+    learner = TINY if part.dry_run else LEARN_SPEC
+    measurements = [
+        (f"publish latency and probe, {specs[0].name}", 150, functools.partial(
+            publish_latency, specs[0], python=python, device=device, dtype=dtype, work=work,
+            memory_share=memory_share, repeats=3)),
+        (f"serve --train, agents learning, {learner.name}", 260, functools.partial(
+            serve_train_end_to_end, learner, python=python, device=device, work=work, memory_share=memory_share,
+            timeout_s=180, learn_s=30 if part.dry_run else 120)),
+        (f"publish latency and probe, {specs[-1].name}", 150, functools.partial(
+            publish_latency, specs[-1], python=python, device=device, dtype=dtype, work=work,
+            memory_share=memory_share, repeats=3)),
+    ]
+    for name, budget, measure in measurements[:2] if part.dry_run else measurements:
+        part.measure(name, 1 if part.dry_run else budget, measure)
 
 
 # --- the wheels parts 1 and 2 need on the device machine -------------------------------------------------

@@ -98,3 +98,28 @@ async def test_a_hold_that_ends_wakes_the_engine(sleep_endpoints: tuple[str, lis
     finally:
         task.cancel()
         await replicas.close()
+
+
+async def test_a_publish_keeps_the_engine_awake_until_it_is_done(sleep_endpoints: tuple[str, list[str]]) -> None:
+    """The training hold outlasts the publish (sync mode releases it once the publish returns), and the
+    publish's probe scores the new version on the engine: the engine must not fall asleep under it. On a
+    GPU it did, 0.2 s after waking: the probe waited on a sleeping engine until it timed out."""
+    url, calls = sleep_endpoints
+    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
+    holds = GenerationHolds()
+    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
+    task = asyncio.create_task(sleeper.run())
+    try:
+        holds.hold("train")
+        await _until(lambda: sleeper.asleep)
+        async with sleeper.awake():  # what a publish does around loading and probing
+            assert not sleeper.asleep and calls == ["sleep 1", "wake weights", "wake kv_cache"]
+            await asyncio.sleep(0.2)  # twenty rounds of the sleep loop, with the step's hold still on
+            assert not sleeper.asleep and len(calls) == 3
+        await _until(lambda: sleeper.asleep)  # the step still holds: back to sleep once the publish is done
+        holds.release("train")
+        await _until(lambda: not sleeper.asleep)
+        assert calls == ["sleep 1", "wake weights", "wake kv_cache", "sleep 1", "wake weights", "wake kv_cache"]
+    finally:
+        task.cancel()
+        await replicas.close()

@@ -4,13 +4,17 @@ The trainer holds generation for its step (proxy/holds.py; through the store whe
 in another process). Once no call is outstanding on any replica, every replica sleeps; generation then
 stays closed under the holder `asleep` until they are awake again, so no call reaches a sleeping
 engine. They wake when a new version is published (before it loads: LoRA loading and weight reloads
-need the weights on the GPU) or when the training hold ends, whichever comes first.
+need the weights on the GPU) or when the training hold ends, whichever comes first. A publish keeps them
+awake until it is done (`awake`): the training hold usually lasts until the publish returns, and the
+publish's probe scores the new version on the engine itself, which a sleeping engine never answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from tracetrain.engines import vllm_sleep
 from tracetrain.engines.replicas import ReplicaSet
@@ -33,6 +37,8 @@ class EngineSleep:
         self.cycles = 0
         """Sleep-and-wake cycles completed (shown with the replicas' state)."""
         self._lock = asyncio.Lock()
+        self._kept_awake = 0
+        """Publishes in progress (`awake`): the engine does not sleep under them."""
 
     def _training(self) -> bool:
         return any(holder not in NOT_TRAINING for holder in self.holds.holders)
@@ -45,7 +51,7 @@ class EngineSleep:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                if self._training() and not self.asleep and self._idle():
+                if self._training() and not self.asleep and not self._kept_awake and self._idle():
                     await self.sleep()
                 elif not self._training() and self.asleep:
                     await self.wake()
@@ -54,7 +60,7 @@ class EngineSleep:
 
     async def sleep(self) -> None:
         async with self._lock:
-            if self.asleep:
+            if self.asleep or self._kept_awake:
                 return
             self.holds.hold(ASLEEP)  # before the first replica sleeps: the training hold may end meanwhile
             self.asleep = True
@@ -72,6 +78,16 @@ class EngineSleep:
                 await self._wake_all()
                 self.cycles += 1
                 log.info("vLLM awake again")
+
+    @asynccontextmanager
+    async def awake(self) -> AsyncIterator[None]:
+        """Wake every replica and keep them awake until the block ends (a publish, its probe included)."""
+        self._kept_awake += 1
+        try:
+            await self.wake()
+            yield
+        finally:
+            self._kept_awake -= 1
 
     async def _wake_all(self) -> None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -75,13 +76,16 @@ class PublishController:
             if checkpoint.version <= self.engine.version:
                 raise APIError(409, f"Version {checkpoint.version} is not newer than the served version "
                                f"{self.engine.version}.", code="stale_version")
-            if self._engine_sleep is not None:
-                await self._engine_sleep.wake()  # loading an adapter or reloading weights needs them on the GPU
             self._refuse_second_canary(checkpoint)
             try:
-                await self._load(checkpoint)
+                async with self._awake():
+                    await self._load(checkpoint)
             finally:
                 await self._record_probes(checkpoint)
+
+    def _awake(self) -> AbstractAsyncContextManager[None]:
+        """Loading an adapter or reloading weights needs them on the GPU, and the probe an engine that answers."""
+        return self._engine_sleep.awake() if self._engine_sleep is not None else nullcontext()
 
     def _refuse_second_canary(self, checkpoint: Checkpoint) -> None:
         trial = self.canaries.line(checkpoint.line).trial if self.canaries.enabled else None
@@ -110,14 +114,13 @@ class PublishController:
             if checkpoint.version <= served:
                 raise APIError(409, f"Version {checkpoint.version} of policy '{checkpoint.line}' is not newer than "
                                f"its served version {served}.", code="stale_version")
-            if self._engine_sleep is not None:
-                await self._engine_sleep.wake()
             self._refuse_second_canary(checkpoint)
             try:
-                if self.canaries.enabled:
-                    await self.canaries.line(checkpoint.line).stage(checkpoint)
-                    return
-                await cast(LinePublisher, self.publisher).publish_line(checkpoint)
+                async with self._awake():
+                    if self.canaries.enabled:
+                        await self.canaries.line(checkpoint.line).stage(checkpoint)
+                        return
+                    await cast(LinePublisher, self.publisher).publish_line(checkpoint)
             finally:
                 await self._record_probes(checkpoint)
         await self._writer.submit(lambda db: versions.mark_published(

@@ -9,9 +9,10 @@ Parts, in priority order, so that a short lease still brings back part 1:
 2. Equivalence and precision: bf16 trainer logprobs on the GPU against float32 on the CPU (the
    tolerance basis for the later vLLM probe), one FSDP2 step over NCCL (world size 1) against one local
    step, a LoRA adapter applied in transformers against its merged weights.
-3. Needs vLLM on the GPU, which does not fit a device call's carry yet: publish latency (LoRA load,
-   full reload) and `tracetrain serve --train` end to end. Skipped with the reason when vLLM cannot be
-   imported. Prepared, not yet run.
+3. vLLM on the GPU, carried in chunks over several device calls (bench/gpu_carry.py): publish latency
+   (LoRA load, full reload) with the publish probe proving each version and refusing a wrong adapter, and
+   `tracetrain serve --train` colocated on one GPU (vLLM asleep during each sync step) with agents
+   learning for two minutes. Skipped with the reason when vLLM cannot be imported.
 
     python -m bench.gpu_check --dry-run --out /tmp/gc      # on this CPU: tiny sizes, prints the commands
     python -m bench.gpu_check --wheels .whl                # fetches the wheels parts 1-2 need (py3.12)
@@ -85,7 +86,7 @@ PARTS = (1, 2, 3)
 PART_TITLES = {
     1: "Training-step throughput and MFU (the project's LocalBackend step)",
     2: "Equivalence and precision (bf16 vs float32 logprobs, FSDP2 vs local step, LoRA adapter vs merged)",
-    3: "vLLM on the GPU: publish latency and serve --train (prepared, not yet run)",
+    3: "vLLM on the GPU: publish latency, the publish probe, serve --train with agents learning",
 }
 PART_BUDGET_S = {1: 420.0, 2: 150.0, 3: 420.0}
 """Each part's own time budget on the GPU machine (model builds included): a measurement whose budget
@@ -908,7 +909,7 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# --- part 3: vLLM on the GPU (prepared, not yet run) -----------------------------------------------------
+# --- part 3: vLLM on the GPU (carried by bench/gpu_carry.py) ---------------------------------------------
 
 
 def vllm_python(explicit: str | None) -> tuple[str | None, str]:
@@ -961,56 +962,61 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
         checkpoints["lora" if lora else "full"] = path
     checkpoints["wrong"] = wrong_adapter(checkpoints["lora"], work / f"{spec.name}-lora-wrong")
     extra = ["--gpu-memory-utilization", str(memory_share)] if device.startswith("cuda") else []
-    server = VLLMServer(base, served_model_name="gpu-check", python=python,
-                        dtype="bfloat16" if device.startswith("cuda") else "float32", max_model_len=2048,
-                        enable_lora=True, max_lora_rank=16, extra_args=extra,
-                        log_path=work / f"vllm-{spec.name}.log")
-    started = time.perf_counter()
-    server.start()
-    start_s = time.perf_counter() - started
     times: dict[str, list[float]] = {"lora": [], "full": []}
+    start_s: dict[str, float] = {}
     probes: dict[str, dict[str, Any]] = {}
     served_dtype = "bfloat16" if device.startswith("cuda") else "float32"
     check = ProbeCheck(served_dtype)
+    answered = True
 
-    async def probe(name: str, model: str, directory: Path) -> None:
+    async def probe(engine: VLLMEngine, name: str, model: str, directory: Path) -> None:
         result = await check(engine, model, directory)
         assert result is not None
         probes[name] = {"mean_diff": result.mean_diff, "max_diff": result.max_diff, "tolerance": result.tolerance,
                         "ok": result.ok}
 
-    try:
-        engine = VLLMEngine(server.url, server.model_name, timeout=120)
-        lora_publisher = VLLMLoRAPublisher(engine)
-        reload_publisher = VLLMReloadPublisher(engine, base)
+    async def publish_lora(engine: VLLMEngine) -> None:
+        publisher = VLLMLoRAPublisher(engine)
+        for version in range(1, repeats + 1):
+            t0 = time.perf_counter()
+            await publisher.publish(Checkpoint(version, checkpoints["lora"], "lora"))
+            times["lora"].append(time.perf_counter() - t0)
+        await probe(engine, "lora", engine.served_model, checkpoints["lora"])
+        await publisher.publish(Checkpoint(repeats + 1, checkpoints["wrong"], "lora"))
+        await probe(engine, "wrong lora (caught?)", engine.served_model, checkpoints["wrong"])
 
-        async def publish_all() -> None:
-            for version in range(1, repeats + 1):
-                t0 = time.perf_counter()
-                await lora_publisher.publish(Checkpoint(version, checkpoints["lora"], "lora"))
-                times["lora"].append(time.perf_counter() - t0)
-            await probe("lora", engine.served_model, checkpoints["lora"])
-            await lora_publisher.publish(Checkpoint(repeats + 1, checkpoints["wrong"], "lora"))
-            await probe("wrong lora (caught?)", engine.served_model, checkpoints["wrong"])
-            engine.use_adapter(None, repeats + 1)
-            for version in range(repeats + 2, 2 * repeats + 2):
-                t0 = time.perf_counter()
-                await reload_publisher.publish(Checkpoint(version, checkpoints["full"], "full"))
-                times["full"].append(time.perf_counter() - t0)
-            await probe("full", server.model_name, checkpoints["full"])
+    async def publish_full(engine: VLLMEngine) -> None:
+        publisher = VLLMReloadPublisher(engine, base)
+        for version in range(1, repeats + 1):
+            t0 = time.perf_counter()
+            await publisher.publish(Checkpoint(version, checkpoints["full"], "full"))
+            times["full"].append(time.perf_counter() - t0)
+        await probe(engine, "full", engine.model_name, checkpoints["full"])
 
-        asyncio.run(publish_all())
-        with http_client(server.url, timeout=60) as client:
-            answer = client.post("/v1/completions", json={"model": server.model_name, "prompt": [5, 6, 7],
-                                                           "max_tokens": 1})
-        answered = answer.status_code == 200
-    finally:
-        server.stop()
+    # Two servers, as `serve` starts them: with --enable-lora for LoRA publishing, without it for full
+    # reloads (vLLM 0.26's GPU runner cannot reload full weights into a model wrapped for LoRA).
+    for kind, publish in (("lora", publish_lora), ("full", publish_full)):
+        server = VLLMServer(base, served_model_name="gpu-check", python=python,
+                            dtype="bfloat16" if device.startswith("cuda") else "float32", max_model_len=2048,
+                            enable_lora=kind == "lora", max_lora_rank=16, extra_args=extra,
+                            log_path=work / f"vllm-{spec.name}-{kind}.log")
+        started = time.perf_counter()
+        server.start()
+        start_s[kind] = time.perf_counter() - started
+        try:
+            asyncio.run(publish(VLLMEngine(server.url, server.model_name, timeout=120)))
+            with http_client(server.url, timeout=60) as client:
+                answer = client.post("/v1/completions", json={"model": server.model_name, "prompt": [5, 6, 7],
+                                                               "max_tokens": 1})
+            answered = answered and answer.status_code == 200
+        finally:
+            server.stop()
     probed = "; ".join(f"{name} mean {p['mean_diff']:.2e} max {p['max_diff']:.2e} {'ok' if p['ok'] else 'REFUSED'}"
                        for name, p in probes.items())
     return {"model": spec.name, "server_start_s": start_s, "lora_publish_s": times["lora"],
             "full_reload_s": times["full"], "answers_after": answered, "probes": probes,
-            "summary": f"{spec.name}: server up in {start_s:.0f}s; LoRA load {_seconds(times['lora'])}; full reload "
+            "summary": f"{spec.name}: servers up in {start_s['lora']:.0f}s and {start_s['full']:.0f}s; LoRA load "
+                       f"{_seconds(times['lora'])}; full reload "
                        f"{_seconds(times['full'])}; answers after: {answered}; probe ({served_dtype}, tolerance "
                        f"{check.tolerance:.0e} mean): {probed}"}
 
@@ -1146,7 +1152,8 @@ def serve_train_end_to_end(spec: ModelSpec, *, python: str, device: str, work: P
     if len(curve) > 3:
         shown += ", …, " + ", ".join(f"v{p['version']} {p['mean_reward']:.2f} (n={p['sessions']})"
                                      for p in curve[-2:])
-    return {"healthy_s": healthy_s, "learn_s": learned_s, "first_version_served_s": first_served,
+    return {"status": "ok" if failed == 0 and last >= 1 else "failed",
+            "healthy_s": healthy_s, "learn_s": learned_s, "first_version_served_s": first_served,
             "calls": len(calls), "failed_calls": failed, "errors": [c["error"] for c in calls if not c["ok"]][:5],
             "versions_served": last, "versions_per_min": 60 * last / learned_s if learned_s else None,
             "reward_by_version": curve, "config": config, "policies": policies.get("data", policies)
@@ -1165,8 +1172,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def run_part3(part: Part, *, device: str, dtype: str, work: Path, explicit_python: str | None,
               memory_share: float) -> None:
-    part.notes.append("prepared, not yet run on a GPU: vLLM 0.26.0 (the build for torch 2.11) is a wheel of about "
-                      "321 MiB, over a device call's 64 MiB carry")
+    part.notes.append("vLLM 0.26.0 (the build for torch 2.11) carried in chunks over several device calls: "
+                      "bench/gpu_carry.py; VLLM_USE_FLASHINFER_SAMPLER=0 (FlashInfer is not carried)")
     python, why = vllm_python(explicit_python)
     part.settings = {"device": device, "dtype": dtype, "vllm": why, "engine.memory_share": memory_share}
     if python is None:
@@ -1384,8 +1391,8 @@ def device_commands(sha: str) -> list[dict[str, Any]]:
         {"what": "part 1 alone", "carry": [".whl"], "timeout_s": 420, "command": device_command((1,), sha)},
         {"what": "part 2 alone, with the GPU tests", "carry": [".whl"], "timeout_s": 360,
          "command": device_command((2,), sha, gpu_tests=True)},
-        {"what": "part 3 (needs vLLM carried: does not fit yet)", "carry": [".whl"], "timeout_s": 600,
-         "command": device_command((3,), sha)},
+        {"what": "part 3: several calls, printed by `python -m bench.gpu_carry` (vLLM carried in chunks)",
+         "carry": [".gpu-carry/N"], "timeout_s": 595, "command": device_command((3,), sha)},
     ]
 
 

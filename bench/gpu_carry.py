@@ -10,7 +10,8 @@ built for that torch; its wheel is about 290 MiB, over one call's 64 MiB carry. 
 2. Its Python dependencies that the image lacks (VLLM_CARRIED) and the wheels parts 1-2 carry
    (`gpu_check.CARRIED`) join it in one tar, cut into chunks that each fit one call beside the tree.
 3. Each call but the last copies its chunk to the machine's /tmp (a carried folder does not survive
-   the next call, /tmp does while the machine stays warm: 30 s); the last joins, checks and installs.
+   the next call, /tmp does while the machine stays warm: 30 s); the last joins, checks, installs and
+   runs part 3. One more call runs the GPU tests of vLLM on what is installed.
 
 The dependency list was found by importing vLLM's server, engine core, GPU worker, LoRA and sampler
 modules in a clean environment holding only the image's packages, adding what was missing until
@@ -115,7 +116,8 @@ def write_chunks(data: bytes, out: Path, chunk_bytes: int = CHUNK_BYTES) -> list
 
 
 def device_calls(out: Path, folders: list[Path], part3_command: str) -> list[dict[str, object]]:
-    """The device tool's calls, in order: each chunk to /tmp, then join, check, install and run part 3."""
+    """The device tool's calls, in order: each chunk to /tmp; join, check, install and run part 3; the GPU tests
+    of vLLM (tests/gpu/test_gpu_vllm.py)."""
     digest = (out / "bundle.sha256").read_text().strip()
     calls: list[dict[str, object]] = [{"carry": [str(f)], "timeout_s": 60, "command": f"cp {f}/chunk.* /tmp/"}
                                       for f in folders[:-1]]
@@ -123,9 +125,14 @@ def device_calls(out: Path, folders: list[Path], part3_command: str) -> list[dic
                "&& mkdir -p /tmp/wh && tar -xf /tmp/b.tar -C /tmp/wh && rm /tmp/b.tar /tmp/chunk.* && python3 -m pip "
                "install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/wh/*.whl "
                "|| exit 1")
+    environment = "export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1"
     calls.append({"carry": [str(folders[-1])], "timeout_s": 595,
-                  "command": f"set -o pipefail; {install}; export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 "
-                             f"PYTHONUNBUFFERED=1; {part3_command}"})
+                  "command": f"set -o pipefail; {install}; {environment}; {part3_command}"})
+    # vLLM stays installed in /tmp/site while the machine is warm: the GPU tests of vLLM in a call of their own.
+    calls.append({"carry": [], "timeout_s": 300,
+                  "command": f"set -o pipefail; {environment}; timeout 280 python3 -m pytest --noconftest -p "
+                             "no:cacheprovider -q -s -m gpu tests/gpu/test_gpu_vllm.py 2>&1 | tee "
+                             '"$OUT/gpu_tests.log"'})
     return calls
 
 

@@ -1380,7 +1380,7 @@ def device_command(parts: tuple[int, ...], sha: str, *, gpu_tests: bool = False)
     command = f"set -o pipefail; {WHEEL_INSTALL}; export PYTHONUNBUFFERED=1; nvidia-smi; {run}"
     if gpu_tests:
         command += (f"; timeout {GPU_TESTS_TIMEOUT_S} python3 -m pytest --noconftest -p no:cacheprovider -q -m gpu "
-                    "tests/gpu 2>&1 | tee \"$OUT/gpu_tests.log\"")
+                    "tests/gpu/test_gpu_trainer.py 2>&1 | tee \"$OUT/gpu_tests.log\"")
     return command
 
 
@@ -1488,7 +1488,7 @@ def collect(directories: list[Path], results_dir: Path) -> tuple[Path, Path]:
         tests = gpu_tests_summary(directory / "gpu_tests.log")
         if tests:
             started = min(p["provenance"].get("started_utc", "") for p in load_parts(directory))
-            notes.append(f"GPU tests in the device call of {started} (`pytest -m gpu tests/gpu`): {tests}")
+            notes.append(f"GPU tests in the device call of {started} (`pytest -m gpu tests/gpu/...`): {tests}")
     # the folders are where this machine put the returned files: only the count says anything elsewhere
     command = f"python -m bench.gpu_check --collect DIR ... ({len(directories)} device call(s))"
     md_path = write_results("gpu_check", "GPU check (issue 29)", command,

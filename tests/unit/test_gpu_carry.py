@@ -40,7 +40,9 @@ def test_the_chunks_join_back_into_the_bundle_and_the_last_call_checks_it(tmp_pa
     folders = write_chunks(data, Path("carry"), chunk_bytes=1_000)
     assert [f.name for f in folders] == ["1", "2", "3"]
     calls = device_calls(Path("carry"), folders, "echo part 3")
-    assert [c["carry"] for c in calls] == [["carry/1"], ["carry/2"], ["carry/3"]]
+    assert [c["carry"] for c in calls] == [["carry/1"], ["carry/2"], ["carry/3"], []]
+    assert "tests/gpu/test_gpu_vllm.py" in str(calls[-1]["command"])
+    calls = calls[:-1]
     # What the device machine does, run here with its /tmp in a folder of the test's own.
     machine = tmp_path / "machine"
     machine.mkdir()

@@ -25,16 +25,22 @@ pytest.importorskip("peft", reason=PEFT_MISSING)
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from sqlmodel import Session  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tracetrain.engines import vllm_publish  # noqa: E402
 from tracetrain.engines.base import SamplingParams, TokenDelta  # noqa: E402
 from tracetrain.engines.publishing import Checkpoint, PublishError  # noqa: E402
+from tracetrain.engines.replica_publish import ReplicaPublisher  # noqa: E402
+from tracetrain.engines.replicas import Replica, ReplicaSet  # noqa: E402
 from tracetrain.engines.transformers_engine import TransformersEngine  # noqa: E402
 from tracetrain.engines.transformers_publish import InProcessPublisher  # noqa: E402
 from tracetrain.engines.vllm import VLLMEngine  # noqa: E402
 from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher  # noqa: E402
 from tracetrain.engines.vllm_server import async_http_client, http_client  # noqa: E402
+from tracetrain.proxy.replica_sync import ReplicaSync  # noqa: E402
+from tracetrain.store.db import open_db  # noqa: E402
+from tracetrain.store.writer import StoreWriter  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 vllm = pytest.mark.vllm
@@ -359,6 +365,63 @@ async def test_reload_publish_serves_the_full_checkpoint(
     deltas = await generate(engine, prompt)
     assert token_ids(deltas) != before
     await assert_matches(engine, model, prompt, deltas)
+
+
+@vllm
+async def test_a_restarted_gateway_reloads_the_version_its_store_says_is_served(
+    engine, vllm_server, prompt, full_checkpoint, restore_base_weights, tmp_path
+):
+    """`serve --train` restarted on its store: its vLLM holds the base weights while the store says version
+    3 is served. Following the store (what `_follow_versions` calls), the gateway reloads version 3, agreed
+    with any other gateway process through the store, and records it there; before, it only moved the label
+    it could not move, and retried every second. A second process on the same replica relabels without
+    reloading, and a version older than the replica's is never loaded over it."""
+    path, model = full_checkpoint
+    db = open_db(f"sqlite:///{tmp_path / 'store.db'}")
+
+    async def process() -> tuple[ReplicaPublisher, ReplicaSync, StoreWriter]:
+        writer = StoreWriter(db)
+
+        async def read(fn: Callable[[Session], Any]) -> Any:
+            def run() -> Any:
+                with Session(db) as session:
+                    return fn(session)
+            return await asyncio.to_thread(run)
+
+        own = VLLMEngine(vllm_server.url, vllm_server.model_name, timeout=120)
+        replicas = ReplicaSet([Replica(own)])
+        publisher = ReplicaPublisher(replicas, [VLLMReloadPublisher(own, vllm_server.model_dir)])
+        sync = ReplicaSync(replicas, read=read, write=writer.submit, base_weights=vllm_server.model_dir)
+        publisher.coordinator = sync
+        await writer.start()
+        await sync.start()
+        return publisher, sync, writer
+
+    first, first_sync, first_writer = await process()
+    second, second_sync, second_writer = await process()
+    reloads: list[int] = []
+    original = VLLMReloadPublisher.publish
+
+    async def counted(self: VLLMReloadPublisher, checkpoint: Checkpoint) -> None:
+        reloads.append(checkpoint.version)
+        await original(self, checkpoint)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(VLLMReloadPublisher, "publish", counted)
+            await first.adopt(Checkpoint(3, path, "full"))
+            await second.adopt(Checkpoint(3, path, "full"))  # another process: the store says it is there
+            await second.adopt(Checkpoint(2, vllm_server.model_dir, "full"))  # older: never loaded over it
+        assert reloads == [3]
+        served = first.replicas.replicas[0].engine
+        assert served.version == 3 and second.replicas.replicas[0].engine.version == 3
+        deltas = await generate(served, prompt)
+        await assert_matches(served, model, prompt, deltas)
+    finally:
+        for publisher, sync, writer in ((first, first_sync, first_writer), (second, second_sync, second_writer)):
+            await sync.stop()
+            await writer.stop()
+            await publisher.replicas.close()
 
 
 @vllm

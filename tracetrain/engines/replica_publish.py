@@ -41,9 +41,10 @@ UNKNOWN_WEIGHTS = -1
 class ReloadCoordinator(Protocol):
     """Agreement with the other gateway processes in front of the same replicas on a full-weight reload."""
 
-    async def begin_reload(self, url: str, version: int) -> int | None:
-        """None once this process may reload `url`: no other process sends calls to it. Or `version`,
-        when another process already brought `url` to it (catching up after a failure): nothing to reload.
+    async def begin_reload(self, url: str, version: int, *, forward_only: bool = False) -> int | None:
+        """None once this process may reload `url`: no other process sends calls to it. Or the version `url`
+        holds, when another process already brought it to `version` (catching up after a failure), or past
+        it with `forward_only` (following a version another process published): nothing to reload.
         `PublishError` if the other processes did not stop in time."""
 
     async def end_reload(self, url: str, version: int | None, checkpoint: Path | None, failure: str | None) -> None:
@@ -155,7 +156,13 @@ class ReplicaPublisher:
             elif self.coordinator is None:
                 for replica in self.replicas.replicas:
                     replica.engine.use_adapter(None, checkpoint.version)
-            # With a coordinator, each replica's label follows the store's record of its weights instead.
+            else:
+                # Each replica's label follows the store's record of its weights. One the store records as
+                # older is reloaded, agreed with the other processes: a gateway restarted on its store
+                # starts its servers on the base weights, and labelling them with the version would be a lie.
+                for i, up in enumerate(self.replicas.router.up):
+                    if up and self.replicas.replicas[i].engine.version < checkpoint.version:
+                        await self._reload(i, checkpoint, forward_only=True)
             self.latest = checkpoint
 
     async def catch_up(self, index: int) -> None:
@@ -324,14 +331,15 @@ class ReplicaPublisher:
                 self.replicas.replicas[i].publishing = False
         return failures
 
-    async def _reload(self, index: int, checkpoint: Checkpoint) -> None:
-        """Reload one replica, agreed with the other gateway processes when there are any."""
+    async def _reload(self, index: int, checkpoint: Checkpoint, *, forward_only: bool = False) -> None:
+        """Reload one replica, agreed with the other gateway processes when there are any (`forward_only`:
+        unless another process already brought it to this version or a newer one)."""
         if self.coordinator is None:
             await self.publishers[index].publish(checkpoint)
             await self._verify_reload(index, checkpoint)
             return
         url = self.replicas.replicas[index].url
-        holds = await self.coordinator.begin_reload(url, checkpoint.version)
+        holds = await self.coordinator.begin_reload(url, checkpoint.version, forward_only=forward_only)
         if holds is not None:
             self.replicas.replicas[index].engine.use_adapter(None, holds)
             return

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from tracetrain.config import DEFAULT_POLICY
 from tracetrain.engines.base import Engine
-from tracetrain.engines.publishing import Checkpoint, LinePublisher, Publisher, line_version
+from tracetrain.engines.publishing import Checkpoint, LinePublisher, Publisher, PublishError, line_version
 from tracetrain.engines.replica_publish import ReplicaPublisher
 from tracetrain.proxy.engine_sleep import EngineSleep
 from tracetrain.proxy.errors import APIError
@@ -178,16 +178,29 @@ class PublishController:
         adopt = getattr(self.publisher, "adopt", None)
         if adopt is None:
             return
+        given_up: set[tuple[str, int]] = set()
+        """Versions that could not be served here (their checkpoint gone, say): the next one is followed."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 for line, latest in (await self._read(queries.latest_published_by_line)).items():
-                    if latest.checkpoint is None or latest.version <= line_version(self.engine, line):
+                    if (latest.checkpoint is None or latest.version <= line_version(self.engine, line)
+                            or (line, latest.version) in given_up):
                         continue
                     async with self._lock:
+                        failure = None
                         if latest.version > line_version(self.engine, line):
-                            await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
-                            log.info("following version %d of line %r, published through another gateway",
-                                     latest.version, line)
+                            try:
+                                await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
+                            except PublishError as exc:
+                                failure = str(exc)
+                        if latest.version > line_version(self.engine, line):
+                            given_up.add((line, latest.version))
+                            log.error("version %d of line %r is published but this gateway could not serve it (%s); "
+                                      "it serves version %d until the next one", latest.version, line,
+                                      failure or "not loaded", line_version(self.engine, line))
+                        else:
+                            log.info("serving version %d of line %r, published through another gateway process "
+                                     "or before this one started", latest.version, line)
             except Exception as exc:  # the store or an engine briefly away: try again next round
                 log.warning("following the published version failed: %s", exc)

@@ -185,15 +185,16 @@ class ReplicaSync:
 
     # --- the ReloadCoordinator of this process's publisher ------------------------------------------
 
-    async def begin_reload(self, url: str, version: int) -> int | None:
+    async def begin_reload(self, url: str, version: int, *, forward_only: bool = False) -> int | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout_s
         while True:
             states: dict[str, ReplicaState] = await self.read(replica_states.states)
             state = states.get(url)
             busy = state is not None and state.reloading_to is not None and not replica_states.claim_lapsed(state)
-            if state is not None and not busy and state.version == version and state.owner is None:
-                return state.version  # another process already brought it there (catching up after a failure)
+            there = state is not None and (state.version >= version if forward_only else state.version == version)
+            if there and not busy and state is not None and state.owner is None:
+                return state.version  # another process already brought it there (or past it)
             if not busy:
                 epoch = await self.write(lambda db: replica_states.claim_reload(
                     db, url=url, version=version, owner=self.process, ttl_s=self.lease_s))

@@ -69,15 +69,21 @@ def download(specs: list[str], target: Path) -> None:
 
 
 def slim_vllm(wheel: Path) -> Path:
-    """Rewrite vLLM's wheel without VLLM_DROPPED (and their RECORD lines), in place."""
+    """Rewrite vLLM's wheel without VLLM_DROPPED, in place."""
+    return drop_from_wheel(wheel, VLLM_DROPPED)
+
+
+def drop_from_wheel(wheel: Path, dropped: tuple[str, ...]) -> Path:
+    """Rewrite `wheel` without the files whose paths start with one of `dropped` (and their RECORD lines),
+    in place: pip installs what RECORD lists, and no longer finds the dropped files there."""
     slim = wheel.with_suffix(".slim")
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as target:
         for item in source.infolist():
-            if item.filename.startswith(VLLM_DROPPED):
+            if item.filename.startswith(dropped):
                 continue
             data = source.read(item)
             if item.filename.endswith(".dist-info/RECORD"):
-                kept = [line for line in data.decode().splitlines() if line and not line.startswith(VLLM_DROPPED)]
+                kept = [line for line in data.decode().splitlines() if line and not line.startswith(dropped)]
                 data = ("\n".join(kept) + "\n").encode()
             target.writestr(item, data)
     slim.replace(wheel)

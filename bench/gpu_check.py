@@ -1303,18 +1303,9 @@ def wheel_plan(imported: dict[str, str]) -> dict[str, Any]:
 
 def slim_ray(wheel: Path) -> Path:
     """Rewrite Ray's wheel without RAY_DROPPED (its RECORD without their lines), in place."""
-    slim = wheel.with_suffix(".slim")
-    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as target:
-        for item in source.infolist():
-            if item.filename.startswith(RAY_DROPPED):
-                continue
-            data = source.read(item)
-            if item.filename.endswith(".dist-info/RECORD"):
-                kept = [line for line in data.decode().splitlines() if not line.startswith(RAY_DROPPED)]
-                data = ("\n".join(kept) + "\n").encode()
-            target.writestr(item, data)
-    slim.replace(wheel)
-    return wheel
+    from bench.gpu_carry import drop_from_wheel
+
+    return drop_from_wheel(wheel, RAY_DROPPED)
 
 
 def fetch_wheels(target: Path) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import pytest
 import uvicorn
@@ -20,6 +21,8 @@ from tracetrain.engines.replicas import Replica, ReplicaSet
 from tracetrain.engines.vllm import VLLMEngine
 from tracetrain.proxy.engine_sleep import ASLEEP, EngineSleep
 from tracetrain.proxy.holds import GenerationHolds
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the loop of the `sleeping` fixture's task
 
 
 @pytest.fixture
@@ -48,6 +51,29 @@ def sleep_endpoints() -> Iterator[tuple[str, list[str]]]:
     thread.join(timeout=10)
 
 
+@dataclass
+class Sleeping:
+    """One replica (the stand-in server), the generation holds and the sleep loop running over them."""
+
+    sleeper: EngineSleep
+    holds: GenerationHolds
+    replicas: ReplicaSet
+    calls: list[str]
+    """What the replica was asked, in order."""
+
+
+@pytest.fixture
+async def sleeping(sleep_endpoints: tuple[str, list[str]]) -> AsyncIterator[Sleeping]:
+    url, calls = sleep_endpoints
+    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
+    holds = GenerationHolds()
+    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
+    task = asyncio.create_task(sleeper.run())
+    yield Sleeping(sleeper, holds, replicas, calls)
+    task.cancel()
+    await replicas.close()
+
+
 async def _until(condition: object, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():  # type: ignore[operator]
@@ -55,71 +81,47 @@ async def _until(condition: object, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_sleeps_once_drained_and_keeps_calls_out_until_awake(sleep_endpoints: tuple[str, list[str]]) -> None:
-    url, calls = sleep_endpoints
-    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
-    holds = GenerationHolds()
-    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
-    task = asyncio.create_task(sleeper.run())
-    try:
-        replicas.router.outstanding[0] = 1  # a call still running: the engine must not sleep under it
-        holds.hold("train")
-        await asyncio.sleep(0.1)
-        assert calls == [] and not sleeper.asleep
-        replicas.router.outstanding[0] = 0
-        await _until(lambda: calls)
-        assert calls == ["sleep 1"] and ASLEEP in holds.holders and sleeper.asleep
-        await sleeper.wake()  # what a publish does first
-        assert calls == ["sleep 1", "wake weights", "wake kv_cache"]  # weights before the cache
-        assert holds.holders == ["train"]  # still held by the step until it ends
-        holds.release("train")
-        await asyncio.sleep(0.1)
-        assert holds.is_free() and sleeper.cycles == 1 and len(calls) == 3  # awake already: no second wake
-    finally:
-        task.cancel()
-        await replicas.close()
+async def test_sleeps_once_drained_and_keeps_calls_out_until_awake(sleeping: Sleeping) -> None:
+    sleeper, holds, replicas, calls = sleeping.sleeper, sleeping.holds, sleeping.replicas, sleeping.calls
+    replicas.router.outstanding[0] = 1  # a call still running: the engine must not sleep under it
+    holds.hold("train")
+    await asyncio.sleep(0.1)
+    assert calls == [] and not sleeper.asleep
+    replicas.router.outstanding[0] = 0
+    await _until(lambda: calls)
+    assert calls == ["sleep 1"] and ASLEEP in holds.holders and sleeper.asleep
+    await sleeper.wake()  # what a publish does first
+    assert calls == ["sleep 1", "wake weights", "wake kv_cache"]  # weights before the cache
+    assert holds.holders == ["train"]  # still held by the step until it ends
+    holds.release("train")
+    await asyncio.sleep(0.1)
+    assert holds.is_free() and sleeper.cycles == 1 and len(calls) == 3  # awake already: no second wake
 
 
-async def test_a_hold_that_ends_wakes_the_engine(sleep_endpoints: tuple[str, list[str]]) -> None:
-    url, calls = sleep_endpoints
-    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
-    holds = GenerationHolds()
-    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
-    task = asyncio.create_task(sleeper.run())
-    try:
-        holds.hold("remote:trainer-7")  # a trainer in another process, mirrored from the store
-        await _until(lambda: calls)
-        holds.release("remote:trainer-7")
-        await _until(lambda: holds.is_free())
-        assert calls == ["sleep 1", "wake weights", "wake kv_cache"] and not sleeper.asleep
-        holds.hold("publish")  # a publish's own pause is not a training step
-        await asyncio.sleep(0.1)
-        assert not sleeper.asleep
-    finally:
-        task.cancel()
-        await replicas.close()
+async def test_a_hold_that_ends_wakes_the_engine(sleeping: Sleeping) -> None:
+    sleeper, holds, calls = sleeping.sleeper, sleeping.holds, sleeping.calls
+    holds.hold("remote:trainer-7")  # a trainer in another process, mirrored from the store
+    await _until(lambda: calls)
+    holds.release("remote:trainer-7")
+    await _until(lambda: holds.is_free())
+    assert calls == ["sleep 1", "wake weights", "wake kv_cache"] and not sleeper.asleep
+    holds.hold("publish")  # a publish's own pause is not a training step
+    await asyncio.sleep(0.1)
+    assert not sleeper.asleep
 
 
-async def test_a_publish_keeps_the_engine_awake_until_it_is_done(sleep_endpoints: tuple[str, list[str]]) -> None:
+async def test_a_publish_keeps_the_engine_awake_until_it_is_done(sleeping: Sleeping) -> None:
     """The training hold outlasts the publish (sync mode releases it once the publish returns), and the
     publish's probe scores the new version on the engine: the engine must not fall asleep under it. On a
     GPU it did, 0.2 s after waking: the probe waited on a sleeping engine until it timed out."""
-    url, calls = sleep_endpoints
-    replicas = ReplicaSet([Replica(VLLMEngine(url, model_name="m"))])
-    holds = GenerationHolds()
-    sleeper = EngineSleep(holds, replicas, interval_s=0.01)
-    task = asyncio.create_task(sleeper.run())
-    try:
-        holds.hold("train")
-        await _until(lambda: sleeper.asleep)
-        async with sleeper.awake():  # what a publish does around loading and probing
-            assert not sleeper.asleep and calls == ["sleep 1", "wake weights", "wake kv_cache"]
-            await asyncio.sleep(0.2)  # twenty rounds of the sleep loop, with the step's hold still on
-            assert not sleeper.asleep and len(calls) == 3
-        await _until(lambda: sleeper.asleep)  # the step still holds: back to sleep once the publish is done
-        holds.release("train")
-        await _until(lambda: not sleeper.asleep)
-        assert calls == ["sleep 1", "wake weights", "wake kv_cache", "sleep 1", "wake weights", "wake kv_cache"]
-    finally:
-        task.cancel()
-        await replicas.close()
+    sleeper, holds, calls = sleeping.sleeper, sleeping.holds, sleeping.calls
+    holds.hold("train")
+    await _until(lambda: sleeper.asleep)
+    async with sleeper.awake():  # what a publish does around loading and probing
+        assert not sleeper.asleep and calls == ["sleep 1", "wake weights", "wake kv_cache"]
+        await asyncio.sleep(0.2)  # twenty rounds of the sleep loop, with the step's hold still on
+        assert not sleeper.asleep and len(calls) == 3
+    await _until(lambda: sleeper.asleep)  # the step still holds: back to sleep once the publish is done
+    holds.release("train")
+    await _until(lambda: not sleeper.asleep)
+    assert calls == ["sleep 1", "wake weights", "wake kv_cache", "sleep 1", "wake weights", "wake kv_cache"]

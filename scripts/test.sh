@@ -12,4 +12,6 @@ free_kb=$(df -Pk "$tmp" | awk 'NR==2 {print $4}')
 if [ "$free_kb" -lt $((4 * 1024 * 1024)) ]; then
     echo "warning: only $((free_kb / 1024)) MiB free in $tmp; the suite needs about 4 GiB there" >&2
 fi
-exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
+# Two workers, a module each at a time (--dist loadfile): a module's shared servers stay in one worker,
+# and tests that wait on processes (vLLM starting, agents under a kill) overlap with the other's work.
+exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile "$@"

@@ -59,13 +59,13 @@ CHUNK_BYTES = 56 * 2**20
 """Per call, beside the tree (about 4 MiB): under the 64 MiB carry."""
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
                                                                                     "manylinux1_x86_64"]
+PIP_DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
+                + " ".join(f"--platform {platform}" for platform in PLATFORMS))
+"""Wheels for the device image's CPython 3.12 on x86-64 Linux (pip matches each manylinux tag exactly)."""
 
 
 def download(specs: list[str], target: Path) -> None:
-    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(target), *specs],
-                   check=True)
+    subprocess.run([sys.executable, "-m", *PIP_DOWNLOAD.split()[2:], "-q", "-d", str(target), *specs], check=True)
 
 
 def slim_vllm(wheel: Path) -> Path:

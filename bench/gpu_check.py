@@ -76,6 +76,7 @@ from bench.common import (
     write_results,
 )
 from bench.common import provenance as common_provenance
+from bench.gpu_carry import PIP_DOWNLOAD, drop_from_wheel
 
 if TYPE_CHECKING:
     from tracetrain.config import TrainConfig
@@ -1243,9 +1244,6 @@ RAY_DROPPED = ("ray/jars/", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray
 """Left out of the carried Ray wheel: the cluster's own programs (GCS server, raylet, Java jars,
 dashboard web client, runtime-env agent), which `import ray` never loads. Parts 1 and 2 only import
 verl, which imports ray; they never start a cluster. The full wheel is over the 64 MiB carry alone."""
-PIP_DOWNLOAD = ("python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
-                "--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 "
-                "--platform manylinux2014_x86_64 --platform manylinux1_x86_64")
 
 
 def _distribution_of_files() -> dict[str, str]:
@@ -1303,8 +1301,6 @@ def wheel_plan(imported: dict[str, str]) -> dict[str, Any]:
 
 def slim_ray(wheel: Path) -> Path:
     """Rewrite Ray's wheel without RAY_DROPPED (its RECORD without their lines), in place."""
-    from bench.gpu_carry import drop_from_wheel
-
     return drop_from_wheel(wheel, RAY_DROPPED)
 
 

@@ -188,19 +188,20 @@ class PublishController:
                             or (line, latest.version) in given_up):
                         continue
                     async with self._lock:
-                        failure = None
-                        if latest.version > line_version(self.engine, line):
-                            try:
-                                await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
-                            except PublishError as exc:
-                                failure = str(exc)
-                        if latest.version > line_version(self.engine, line):
-                            given_up.add((line, latest.version))
-                            log.error("version %d of line %r is published but this gateway could not serve it (%s); "
-                                      "it serves version %d until the next one", latest.version, line,
-                                      failure or "not loaded", line_version(self.engine, line))
-                        else:
+                        if latest.version <= line_version(self.engine, line):
+                            continue  # a publish through this process got there first
+                        failure = "not loaded"
+                        try:
+                            await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
+                        except PublishError as exc:
+                            failure = str(exc)
+                        if latest.version <= line_version(self.engine, line):
                             log.info("serving version %d of line %r, published through another gateway process "
                                      "or before this one started", latest.version, line)
+                            continue
+                        given_up.add((line, latest.version))
+                        log.error("version %d of line %r is published but this gateway could not serve it (%s); "
+                                  "it serves version %d until the next one", latest.version, line, failure,
+                                  line_version(self.engine, line))
             except Exception as exc:  # the store or an engine briefly away: try again next round
                 log.warning("following the published version failed: %s", exc)

@@ -1460,22 +1460,33 @@ def print_plan(plan: dict[str, Any]) -> None:
 
 def collect(directories: list[Path], results_dir: Path) -> tuple[Path, Path]:
     """Combine the returned part files of one or more device calls into `results_dir/gpu_check.{json,md}`
-    through bench.common's writer, each part under its own provenance line, in part order then time; the
-    file's provenance is the first part's, ending when the last part ended."""
-    parts = sorted((part for directory in directories for part in load_parts(directory)),
-                   key=lambda p: (p.get("part", 0), p["provenance"].get("started_utc", "")))
+    through bench.common's writer, each part under its own provenance line, in part order then time.
+
+    A collection replaces the parts it brings and keeps the others from the current file, with their GPU-test
+    notes: a task's few device minutes often re-measure one part, and the file must stay the current record of
+    all of them. The file's provenance is the first part's, ending when the last part ended."""
+    new_parts = [part for directory in directories for part in load_parts(directory)]
+    current = results_dir / "gpu_check.json"
+    kept_parts: list[dict[str, Any]] = []
+    kept_notes: list[str] = []
+    if current.is_file():
+        old = json.loads(current.read_text())
+        brought = {p.get("part") for p in new_parts}
+        kept_parts = [p for p in old.get("raw", {}).get("parts", []) if p.get("part") not in brought]
+        kept_notes = [n for n in old.get("notes", []) if n.startswith(GPU_TESTS_NOTE)]
+    parts = sorted(kept_parts + new_parts, key=lambda p: (p.get("part", 0), p["provenance"].get("started_utc", "")))
     if not parts:
         raise SystemExit(f"no gpu_check_part*.json under {', '.join(map(str, directories))}")
     info = {**parts[0]["provenance"], "ended_utc": max(p["provenance"]["ended_utc"] for p in parts)}
     body = "\n".join(line for part in parts for line in part_markdown(part))
     notes = [f"parts {', '.join(str(p['part']) for p in parts)} measured on the device; a part alone runs as "
              f"`{parts[0].get('device_command', '?')}`",
-             "MFU formula: the module docstring of bench/gpu_check.py; how to run: bench/README.md, \"GPU check\""]
+             "MFU formula: the module docstring of bench/gpu_check.py; how to run: bench/README.md, \"GPU check\"",
+             *kept_notes]
     for directory in directories:
         tests = gpu_tests_summary(directory / "gpu_tests.log")
         if tests:
-            started = min(p["provenance"].get("started_utc", "") for p in load_parts(directory))
-            notes.append(f"GPU tests in the device call of {started} (`pytest -m gpu tests/gpu/...`): {tests}")
+            notes.append(f"{GPU_TESTS_NOTE}{_call_started(directory)} (`pytest -m gpu tests/gpu/...`): {tests}")
     # the folders are where this machine put the returned files: only the count says anything elsewhere
     command = f"python -m bench.gpu_check --collect DIR ... ({len(directories)} device call(s))"
     md_path = write_results("gpu_check", "GPU check (issue 29)", command,
@@ -1484,9 +1495,25 @@ def collect(directories: list[Path], results_dir: Path) -> tuple[Path, Path]:
     return md_path.with_suffix(".json"), md_path
 
 
+GPU_TESTS_NOTE = "GPU tests in the device call of "
+
+# the one-line summaries publish_latency and serve_train_end_to_end return, which the GPU tests print
+_TEST_FIGURES = re.compile(r"^([\w.-]+: servers up in |healthy after \d+s; ).*")
+
+
+def _call_started(directory: Path) -> str:
+    """When a device call began: its parts' start, or, for a call that only ran the GPU tests, when the log was
+    last written (the end of the call, to the second)."""
+    started = [p["provenance"].get("started_utc", "") for p in load_parts(directory)]
+    if started:
+        return min(started)
+    written = (directory / "gpu_tests.log").stat().st_mtime
+    return utc_text(datetime.fromtimestamp(written, UTC)) + " (log written)"
+
+
 def gpu_tests_summary(log: Path) -> str | None:
     """pytest's closing line from the GPU tests' log (`5 passed, 2 warnings in 48.80s`), with the names of any
-    that failed; None when the log is absent."""
+    that failed and the figures the tests printed; None when the log is absent."""
     if not log.is_file():
         return None
     lines = log.read_text(errors="replace").splitlines()
@@ -1494,7 +1521,9 @@ def gpu_tests_summary(log: Path) -> str | None:
     counts = (" passed", " failed", " error", " deselected")
     closing = next((line.strip("= ") for line in reversed(lines) if " in " in line and any(c in line for c in counts)),
                    "no summary line")
-    return closing + (f"; failed: {', '.join(failed)}" if failed else "")
+    figures = [m.group(0) for line in lines if (m := _TEST_FIGURES.match(line))]
+    return (closing + (f"; failed: {', '.join(failed)}" if failed else "")
+            + "".join(f"; figures: {f}" for f in figures))
 
 
 def _parse_parts(value: str) -> tuple[int, ...]:

@@ -117,6 +117,40 @@ def test_collect_summarises_the_returned_files(dry_run: tuple[Path, str], tmp_pa
     assert "## Part 2:" in markdown and "git 0123abc" in markdown
 
 
+def test_a_later_collection_replaces_the_parts_it_brings_and_keeps_the_rest(dry_run: tuple[Path, str],
+                                                                            tmp_path: Path) -> None:
+    """A device call that re-measures part 3 and runs the GPU tests must not drop parts 1 and 2 from the
+    results file; the tests' closing line and printed figures become a note."""
+    from bench.gpu_check import collect
+
+    out, _ = dry_run
+    results = tmp_path / "results"
+    collect([out], results)
+    later = tmp_path / "later"
+    later.mkdir()
+    part3 = {**_part(out, 3), "status": "ok"}
+    part3["provenance"] = {**part3["provenance"], "started_utc": "2099-01-01T00:00:00Z",
+                           "ended_utc": "2099-01-01T00:05:00Z"}
+    (later / "gpu_check_part3.json").write_text(json.dumps(part3))
+    tests_only = tmp_path / "tests-only"
+    tests_only.mkdir()
+    (tests_only / "gpu_tests.log").write_text(
+        "healthy after 63s; 184 calls in 41s, 0 failed; 16 versions served (23.6/min)\n.\n"
+        "FAILED tests/gpu/test_gpu_vllm.py::test_x - boom\n"
+        "==== 1 failed, 1 passed in 229.37s ====\n")
+    collect([later, tests_only], results)
+    combined = json.loads((results / "gpu_check.json").read_text())
+    parts = combined["raw"]["parts"]
+    assert [p["part"] for p in parts] == [1, 2, 3]
+    assert parts[2]["provenance"]["started_utc"] == "2099-01-01T00:00:00Z"
+    note = next(n for n in combined["notes"] if n.startswith("GPU tests in the device call of"))
+    assert "(log written)" in note and "1 failed, 1 passed in 229.37s" in note
+    assert "failed: tests/gpu/test_gpu_vllm.py::test_x" in note and "figures: healthy after 63s; 184 calls" in note
+    # a third collection keeps that note with the parts it keeps
+    collect([later], results)
+    assert any("figures: healthy after 63s" in n for n in json.loads((results / "gpu_check.json").read_text())["notes"])
+
+
 def test_the_flop_count_follows_the_stated_formula() -> None:
     from bench.gpu_check import ModelSpec, step_flops
     from tracetrain.trainer.data import Sample

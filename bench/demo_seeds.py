@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import demo_choice as choice
 from bench.common import (
     OUT_DIR,
     RESULTS_DIR,
@@ -40,10 +41,24 @@ from bench.common import (
 NAME = "demo_seeds"
 
 
-def run_demo(seed: int, minutes: float, out: Path, settings: list[str]) -> dict[str, Any]:
+def run_seed(seed: int, args: argparse.Namespace, argv: list[str] | None, settings: list[str],
+             split: str) -> dict[str, Any]:
+    """One demo run and its per-version curve on `split`; the merged checkpoints are deleted after."""
+    out = OUT_DIR / NAME / f"seed{seed}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = run_demo(seed, args.minutes, out, settings, split)
+    summary["curve"] = {str(k): v for k, v in version_curve(out / "checkpoints", args.every, split).items()}
+    summary["training_reward"] = _training_reward(out / "episodes.jsonl")
+    summary["command"] = command_line("bench.demo_seeds", argv)  # for --from-json
+    shutil.rmtree(out / "checkpoints")  # full merged weights per version: the disk would fill
+    return summary
+
+
+def run_demo(seed: int, minutes: float, out: Path, settings: list[str], split: str = "test") -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", "tracetrain.cli", "demo", "--seed", str(seed), "--minutes", str(minutes),
-               "--out", str(out), "--set", "keep_checkpoints=100000", *(f"--set={s}" for s in settings)]
+               "--out", str(out), "--eval-split", split, "--set", "keep_checkpoints=100000",
+               *(f"--set={s}" for s in settings)]
     console.log(f"seed {seed}: {' '.join(command[2:])}")
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -54,8 +69,9 @@ def run_demo(seed: int, minutes: float, out: Path, settings: list[str]) -> dict[
     return summary
 
 
-def version_curve(checkpoints: Path, every: int) -> dict[int, float]:
-    """Held-out mean reward of versions 0, every, 2*every, ... and the last one (HF generate, greedy)."""
+def version_curve(checkpoints: Path, every: int, split: str = "test") -> dict[int, float]:
+    """Held-out mean reward of versions 0, every, 2*every, ... and the last one (HF generate, greedy), on every
+    problem of `split`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,7 +79,7 @@ def version_curve(checkpoints: Path, every: int) -> dict[int, float]:
     from tracetrain.engines.models import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
-    problems = arithmetic.held_out(len(arithmetic.TEST))
+    problems = arithmetic.held_out(len({"test": arithmetic.TEST, "validation": arithmetic.VALIDATION}[split]), split)
     texts = [tokenizer.apply_chat_template(arithmetic.messages(q), add_generation_prompt=True, tokenize=False)
              for q, _ in problems]
     inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -78,7 +94,7 @@ def version_curve(checkpoints: Path, every: int) -> dict[int, float]:
                                  pad_token_id=tokenizer.eos_token_id)
         replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         curve[version] = statistics.fmean(arithmetic.score(r, a) for r, (_, a) in zip(replies, problems, strict=True))
-        console.log(f"  version {version}: held-out {curve[version]:.3f}")
+        console.log(f"  version {version}: {split} {curve[version]:.3f}")
     return curve
 
 
@@ -192,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=2, help="score every N-th version's checkpoint")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="trainer setting passed to every demo run (repeatable)")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help="choose settings on the validation split: every combination of these values, each over "
+                             "--seeds, scored by the rule in bench/demo_choice.py; writes demo_choice.{md,json}")
     parser.add_argument("--from-json", action="store_true",
                         help="only write the report again from bench/results/demo_seeds.json")
     add_results_dir_argument(parser)
@@ -200,16 +219,10 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"results: {rerender(args)}")
         return
     started = run_started()
-    runs = []
-    for seed in args.seeds:
-        out = OUT_DIR / NAME / f"seed{seed}"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = run_demo(seed, args.minutes, out, args.set)
-        summary["curve"] = {str(k): v for k, v in version_curve(out / "checkpoints", args.every).items()}
-        summary["training_reward"] = _training_reward(out / "episodes.jsonl")
-        summary["command"] = command_line("bench.demo_seeds", argv)  # for --from-json
-        shutil.rmtree(out / "checkpoints")  # full merged weights per version: the disk would fill
-        runs.append(summary)
+    if args.grid:
+        console.print(f"results: {choice.choose(args, argv, run_seed, started)}")
+        return
+    runs = [run_seed(seed, args, argv, args.set, "test") for seed in args.seeds]
     console.print(f"results: {report(args, runs, started)}")
 
 

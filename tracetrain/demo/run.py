@@ -95,8 +95,8 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout
     raise SystemExit("the gateway did not become healthy in time")
 
 
-def _evaluate(url: str, n: int, out: Path) -> dict[str, Any]:
-    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--out", str(out)],
+def _evaluate(url: str, n: int, out: Path, split: str) -> dict[str, Any]:
+    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--split", split, "--out", str(out)],
                    check=True, capture_output=True, text=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the agents train")
     parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--eval-split", choices=["test", "validation"], default="test",
+                        help="the held-out set evaluated before and after: `validation` when choosing settings, so "
+                             "the choice never sees the test sums")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"held-out split: {args.eval_size} of the {len(choices.TEST)} test pairs of {choices.__name__}; "
                       f"training draws from {len(choices.TRAIN)} other pairs, in either order")
     else:
-        console.print(f"held-out split: {args.eval_size} of the {len(arithmetic.TEST)} test sums of "
+        pool = {"test": arithmetic.TEST, "validation": arithmetic.VALIDATION}[args.eval_split]
+        console.print(f"held-out split: {args.eval_size} of the {len(pool)} {args.eval_split} sums of "
                       f"{arithmetic.__name__}; training draws from {len(arithmetic.TRAIN)} other pairs (split once by "
                       "a fixed seed on the unordered pair {a, b}: no held-out sum is asked in training, either way)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that `finally` stops the gateway and vLLM
@@ -265,12 +269,12 @@ def main(argv: list[str] | None = None) -> None:
             return
         console.print(f"[green]gateway + vLLM + trainer up[/green] after {time.monotonic() - started:.0f}s; "
                       f"held-out evaluation on {args.eval_size} sums (greedy)…")
-        before = _evaluate(url, args.eval_size, args.out / "eval_before.json")
+        before = _evaluate(url, args.eval_size, args.out / "eval_before.json", args.eval_split)
         console.print(f"before training: mean reward {before['mean_reward']:.3f}, exact {before['exact']:.1%}")
         train_started = time.monotonic()
         episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl", shlex.split(args.agent_args))
         train_minutes = (time.monotonic() - train_started) / 60
-        after = _evaluate(url, args.eval_size, args.out / "eval_after.json")
+        after = _evaluate(url, args.eval_size, args.out / "eval_after.json", args.eval_split)
         versions = max(after["versions"])
         _plot(episodes, before, after, args.out / "reward.png")
         summary = Table(title="held-out evaluation (greedy, never trained on)")
@@ -284,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"({versions / train_minutes:.1f} per minute); plot: {args.out / 'reward.png'}; "
                       f"total {total:.1f} min")
         (args.out / "summary.json").write_text(json.dumps({
-            "seed": args.seed, "minutes": args.minutes, "eval_size": args.eval_size, "before": before,
+            "seed": args.seed, "minutes": args.minutes, "eval_size": args.eval_size, "eval_split": args.eval_split,
+            "before": before,
             "after": after, "versions": versions, "train_minutes": train_minutes, "total_minutes": total,
             "episodes": len(episodes), "versions_per_minute": versions / train_minutes,
             "agent_args": args.agent_args, **_use_of_episodes(url, episodes)}, indent=1))

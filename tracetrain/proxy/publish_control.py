@@ -192,7 +192,8 @@ class PublishController:
                             continue  # a publish through this process got there first
                         failure = "not loaded"
                         try:
-                            await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
+                            async with self._awake():  # a restarted gateway may catch up while a step holds
+                                await adopt(Checkpoint(latest.version, Path(latest.checkpoint), latest.kind, line))
                         except PublishError as exc:
                             failure = str(exc)
                         if latest.version <= line_version(self.engine, line):

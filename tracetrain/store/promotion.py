@@ -11,6 +11,7 @@ policy the trainer no longer continues from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, false, select
 
+from tracetrain.store import leases
 from tracetrain.store.models import DEFAULT_POLICY, AgentSession, Policy, utcnow
 
 SERVING = ("immediate", "promoted")
@@ -40,6 +42,31 @@ def canary(db: Session, *, line: str = DEFAULT_POLICY) -> Policy | None:
 
 def version_row(db: Session, *, line: str = DEFAULT_POLICY, version: int) -> Policy | None:
     return db.get(Policy, (line, version))
+
+
+def record_trained(db: Session, *, line: str, version: int, checkpoint: Path, kind: str, metrics: dict[str, Any],
+                   trainer_id: str, session_ids: Sequence[str]) -> None:
+    """Record a version a trainer wrote and mark the sessions it learned from consumed, in one transaction: a
+    trainer killed after this (while publishing, say) leaves no lease to lapse on sessions the recorded version
+    learned from, so the next trainer, resuming from this version, cannot train them a second time."""
+    db.add(Policy(line=line, version=version, checkpoint=str(checkpoint.resolve()), kind=kind, metrics=metrics))
+    db.flush()
+    leases.consume_sessions(db, trainer_id=trainer_id, session_ids=session_ids, version=version)
+    db.commit()  # consume_sessions committed both, unless it had no sessions to mark
+
+
+def record_publish(db: Session, *, line: str, version: int, error: str | None, seconds: float) -> None:
+    """How a trainer's hand-over of `version` to the engine went: `published_at` when it was served (None after
+    a failure, with `publish_error`), and the time it took among the version's step times."""
+    policy = version_row(db, line=line, version=version)
+    if policy is None:
+        return
+    policy.published_at = None if error else utcnow()
+    policy.publish_error = error
+    times = {**policy.metrics.get("time_s", {}), "publish": seconds}
+    policy.metrics = {**policy.metrics, "publish_seconds": seconds, "time_s": times}
+    db.add(policy)
+    db.commit()
 
 
 def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str,

@@ -32,7 +32,6 @@ from transformers import AutoTokenizer
 from tracetrain.config import DEFAULT_POLICY, TrainConfig
 from tracetrain.engines.probe import PROBE_TEXT, Probe, write_probe
 from tracetrain.store import leases, policy_lines, promotion
-from tracetrain.store.models import Policy, utcnow
 from tracetrain.trainer import checkpoint
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.backend import MultiLineBackend, StepBatch, TrainerBackend, make_backend
@@ -345,16 +344,11 @@ class Trainer:
 
     def _record(self, line: Line, path: Path, figures: dict[str, Any], samples: list[Sample],
                 session_ids: list[str]) -> None:
-        """Record the version and mark its sessions consumed in one transaction: a trainer killed after
-        this (while publishing, say) leaves no lease to lapse on sessions the recorded version learned
-        from, so the next trainer, resuming from this version, cannot train them a second time."""
+        """Record the version and mark its sessions consumed, in one transaction (`promotion.record_trained`)."""
         kind = self.kind if line.name == DEFAULT_POLICY else "lora"
         with Session(self.db) as s:
-            s.add(Policy(line=line.name, version=line.version, checkpoint=str(path.resolve()), kind=kind,
-                         metrics=figures))
-            s.flush()
-            leases.consume_sessions(s, trainer_id=self.trainer_id, session_ids=session_ids, version=line.version)
-            s.commit()  # consume_sessions committed both, unless it had no sessions to mark
+            promotion.record_trained(s, line=line.name, version=line.version, checkpoint=path, kind=kind,
+                                     metrics=figures, trainer_id=self.trainer_id, session_ids=session_ids)
         peaks = [round(m["peak_bytes"] / 2**20) for m in figures.get("memory", [])]
         log.info("%s version %d: reward %.3f over %d samples of %d sessions (staleness %s, gathered in %.1fs), "
                  "loss %.4f, %.0f tokens/s, peak memory per worker %s MiB; set aside this step %s, in all stale %d, "
@@ -398,12 +392,5 @@ class Trainer:
             log.error("publishing %s version %d failed, the engine keeps the previous one: %s", line.name,
                       version, error)
         with Session(self.db) as s:
-            policy = promotion.version_row(s, line=line.name, version=version)
-            if policy is not None:
-                policy.published_at = None if error else utcnow()
-                policy.publish_error = error
-                seconds = time.perf_counter() - started
-                times = {**policy.metrics.get("time_s", {}), "publish": seconds}
-                policy.metrics = {**policy.metrics, "publish_seconds": seconds, "time_s": times}
-                s.add(policy)
-                s.commit()
+            promotion.record_publish(s, line=line.name, version=version, error=error,
+                                     seconds=time.perf_counter() - started)

@@ -72,6 +72,11 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
 
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's version synchronizes the accelerator after loading, which raises where there is none (vLLM on
+        # CPU); loading from host memory is done when `load_weights` returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
     def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
         if not update_info.names:
             return

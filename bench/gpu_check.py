@@ -929,9 +929,11 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
                     repeats: int) -> dict[str, Any]:
     """A vLLM server on `spec`'s random weights; the trainer's LoRA adapter and full checkpoint published
     into it with the project's publishers, each timed from `publish` called to `publish` returned, then
-    one completion to show the server still answers. The server loads the weights written to disk, not
-    `--load-format dummy`: vLLM refuses `reload_weights` on a model loaded that way ("Model reloading
-    with `dummy` format"), which is the full-reload path."""
+    one completion to show the server still answers. Full weights go both ways: read from the checkpoint on
+    disk, and sent from memory (`train.weight_transfer`: CUDA IPC on a GPU, shared memory on CPU) from a
+    model holding the checkpoint's weights on the trainer's device. The server loads the weights written to
+    disk, not `--load-format dummy`: vLLM refuses `reload_weights` on a model loaded that way ("Model
+    reloading with `dummy` format"), which is the full-reload path."""
     import asyncio
 
     import torch
@@ -941,6 +943,7 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
     from tracetrain.engines.vllm import VLLMEngine
     from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher
     from tracetrain.engines.vllm_server import VLLMServer, http_client
+    from tracetrain.engines.weight_transfer import BACKENDS, server_config
     from tracetrain.trainer.backend import StepBatch
     from tracetrain.trainer.local_backend import LocalBackend
 
@@ -963,7 +966,9 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
         checkpoints["lora" if lora else "full"] = path
     checkpoints["wrong"] = wrong_adapter(checkpoints["lora"], work / f"{spec.name}-lora-wrong")
     extra = ["--gpu-memory-utilization", str(memory_share)] if device.startswith("cuda") else []
-    times: dict[str, list[float]] = {"lora": [], "full": []}
+    times: dict[str, list[float]] = {"lora": [], "full": [], "memory": []}
+    transfer = "ipc" if device.startswith("cuda") else "shm"
+    routes: list[str | None] = []
     start_s: dict[str, float] = {}
     probes: dict[str, dict[str, Any]] = {}
     served_dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -993,14 +998,29 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
             await publisher.publish(Checkpoint(version, checkpoints["full"], "full"))
             times["full"].append(time.perf_counter() - t0)
         await probe(engine, "full", engine.model_name, checkpoints["full"])
+        # the same weights again, from memory: the base first, so the probe cannot pass on the disk's reload
+        await publisher.publish(Checkpoint(repeats + 1, base, "full"))
+        from transformers import AutoModelForCausalLM
+
+        held: Any = AutoModelForCausalLM.from_pretrained(str(checkpoints["full"]), dtype=getattr(torch, served_dtype))
+        held.to(device)
+        sender = VLLMReloadPublisher(engine, base, transfer=BACKENDS[transfer])
+        for version in range(repeats + 2, 2 * repeats + 2):
+            t0 = time.perf_counter()
+            await sender.publish(Checkpoint(version, checkpoints["full"], "full", weights=held.state_dict().items))
+            times["memory"].append(time.perf_counter() - t0)
+            routes.append(sender.last_route)
+        await probe(engine, "full from memory", engine.model_name, checkpoints["full"])
+        del held
 
     # Two servers, as `serve` starts them: with --enable-lora for LoRA publishing, without it for full
     # reloads (vLLM 0.26's GPU runner cannot reload full weights into a model wrapped for LoRA).
     for kind, publish in (("lora", publish_lora), ("full", publish_full)):
+        transfer_args, transfer_env = server_config(transfer) if kind == "full" else ([], {})
         server = VLLMServer(base, served_model_name="gpu-check", python=python,
                             dtype="bfloat16" if device.startswith("cuda") else "float32", max_model_len=2048,
-                            enable_lora=kind == "lora", max_lora_rank=16, extra_args=extra,
-                            log_path=work / f"vllm-{spec.name}-{kind}.log")
+                            enable_lora=kind == "lora", max_lora_rank=16, extra_args=[*extra, *transfer_args],
+                            env=transfer_env, log_path=work / f"vllm-{spec.name}-{kind}.log")
         started = time.perf_counter()
         server.start()
         start_s[kind] = time.perf_counter() - started
@@ -1015,11 +1035,13 @@ def publish_latency(spec: ModelSpec, *, python: str, device: str, dtype: str, wo
     probed = "; ".join(f"{name} mean {p['mean_diff']:.2e} max {p['max_diff']:.2e} {'ok' if p['ok'] else 'REFUSED'}"
                        for name, p in probes.items())
     return {"model": spec.name, "server_start_s": start_s, "lora_publish_s": times["lora"],
-            "full_reload_s": times["full"], "answers_after": answered, "probes": probes,
+            "full_reload_s": times["full"], "full_memory_s": times["memory"], "memory_routes": routes,
+            "transfer": transfer, "answers_after": answered, "probes": probes,
             "summary": f"{spec.name}: servers up in {start_s['lora']:.0f}s and {start_s['full']:.0f}s; LoRA load "
-                       f"{_seconds(times['lora'])}; full reload "
-                       f"{_seconds(times['full'])}; answers after: {answered}; probe ({served_dtype}, tolerance "
-                       f"{check.tolerance:.0e} mean): {probed}"}
+                       f"{_seconds(times['lora'])}; full reload from disk {_seconds(times['full'])}; full from "
+                       f"memory ({transfer}) {_seconds(times['memory'])}, went {'/'.join(map(str, routes))}; "
+                       f"answers after: {answered}; probe ({served_dtype}, tolerance {check.tolerance:.0e} mean): "
+                       f"{probed}"}
 
 
 PROBE_TOKENS = 64

@@ -32,6 +32,11 @@ if [ "${TRACETRAIN_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-vllm/.tt-stamp ]; then
   .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
   .venv-vllm/bin/python -c "import vllm" && touch .venv-vllm/.tt-stamp
 fi
+if [ -f .venv-vllm/.tt-stamp ] && [ ! -f .venv-vllm/.tt-plugin ]; then
+  # tracetrain beside vLLM, without its dependencies: vLLM then loads its plugin (the weight-transfer
+  # backend for weights sent from memory, pyproject.toml's vllm.general_plugins).
+  .venv-vllm/bin/pip install -q --no-deps -e . && touch .venv-vllm/.tt-plugin
+fi
 
 if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -62,13 +62,14 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
 
     settings = config.engine
     gpus = [visible_gpus()[g] for g in settings.gpus]  # settled by `Config.settled`: one per replica
+    transfer_args, transfer_env = transfer_settings(config)
     servers = [VLLMServer(model_dir, port=settings.vllm_port + i, listen=settings.vllm_listen,
                           served_model_name=settings.served_model_name, python=settings.vllm_python,
                           dtype=settings.dtype,
-                          extra_args=[*gpu_args(settings), *settings.vllm_args],
+                          extra_args=[*gpu_args(settings), *transfer_args, *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
                           max_lora_rank=config.train.lora_rank, max_loras=settings.max_loras,
-                          env=replica_placement(i, settings.replicas, gpus[i] if gpus else None))
+                          env={**replica_placement(i, settings.replicas, gpus[i] if gpus else None), **transfer_env})
                for i in range(settings.replicas)]
     for server in servers:
         stack.callback(server.stop)
@@ -77,6 +78,15 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     for server in servers:
         server.wait_healthy()
     return servers
+
+
+def transfer_settings(config: Config) -> tuple[list[str], dict[str, str]]:
+    """vLLM's flags and environment for weights sent from the trainer's memory (`train.weight_transfer`)."""
+    if config.train.weight_transfer in ("disk", "auto"):
+        return [], {}
+    from tracetrain.engines.weight_transfer import server_config
+
+    return server_config(config.train.weight_transfer)
 
 
 def gpu_args(engine: EngineConfig) -> list[str]:
@@ -125,7 +135,12 @@ def build_publisher(config: Config, engine: Any, model_dir: Path) -> Any:
     if mode == "lora":
         return ReplicaPublisher(engine, [VLLMLoRAPublisher(e) for e in engines],
                                 canary_share=config.promotion.canary_share, probe=probe)
-    return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir) for e in engines],
+    transfer = None
+    if config.train.weight_transfer not in ("disk", "auto"):
+        from tracetrain.engines.weight_transfer import BACKENDS
+
+        transfer = BACKENDS[config.train.weight_transfer]
+    return ReplicaPublisher(engine, [VLLMReloadPublisher(e, model_dir, transfer=transfer) for e in engines],
                             canary_share=config.promotion.canary_share, probe=probe)
 
 

@@ -134,6 +134,13 @@ class TrainConfig(BaseModel):
     `reload` with `lora: true` merges each adapter into the base weights and serves those. `auto`:
     in-process swap for the transformers engine; for vLLM, `lora` when this machine has a CUDA device
     and `reload` otherwise (vLLM on CPU serves an adapter at about half the speed of plain weights)."""
+    weight_transfer: Literal["auto", "disk", "shm", "ipc"] = "auto"
+    """How full weights (`publish: reload`) reach vLLM. `disk`: vLLM reads the checkpoint. `shm`: sent from
+    the trainer's memory through a file in /dev/shm, for vLLM on CPU (needs tracetrain installed beside vLLM:
+    its plugin adds the backend). `ipc`: sent by CUDA IPC, trainer and vLLM on one GPU. The checkpoint is
+    written either way, and a reload from it is the fallback when a transfer fails (engines/weight_transfer.py).
+    `auto`: `shm` or `ipc` where it applies (`serve --train`, the local backend, servers started here, one
+    gateway process, vLLM on the CPU or on the trainer's own GPU), else `disk`."""
     seed: int = 0
     """Seed for the trainer's randomness."""
     backend: Literal["auto", "local", "fsdp"] = "auto"
@@ -841,12 +848,26 @@ class Config(BaseSettings):
         if admission == "auto":
             admission = "staleness" if training_here and self.train.mode == "async" else "none"
         train: dict[str, Any] = {"gpus": plan.trainer, "publish": config.publish_mode(),
-                                 "backend": "fsdp" if self.train.uses_fsdp else "local"}
+                                 "backend": "fsdp" if self.train.uses_fsdp else "local",
+                                 "weight_transfer": config.memory_transfer(plan, training_here=training_here)}
         if training_here and self.train.device == "auto":
             train["device"] = "cuda" if cuda_here() else "cpu"
         return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
                                       "sleep": "on" if plan.sleep else "off", "dtype": dtype},
                               gateway={"admission": admission}, train=train)
+
+    def memory_transfer(self, plan: GPUPlan, *, training_here: bool) -> Literal["disk", "shm", "ipc"]:
+        """`train.weight_transfer` decided, as its docstring says `auto` is."""
+        chosen = self.train.weight_transfer
+        if chosen != "auto":
+            return chosen
+        applies = (training_here and self.engine.kind == "vllm" and self.publish_mode() == "reload"
+                   and not self.train.uses_fsdp and not self.engine.urls and self.gateway.workers == 1)
+        if not applies:
+            return "disk"
+        if not plan.engine:
+            return "shm"
+        return "ipc" if plan.engine == plan.trainer and len(plan.engine) == 1 else "disk"
 
     @property
     def admission_limit(self) -> int:

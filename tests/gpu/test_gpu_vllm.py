@@ -25,8 +25,9 @@ MEMORY_SHARE = 0.3
 
 
 def test_lora_and_full_publishes_are_proven_and_a_wrong_adapter_is_refused(tmp_path: Path) -> None:
-    """LoRA loaded into a server started with --enable-lora, full weights reloaded into one without it;
-    each proven by the probe against the trainer's bf16 logprobs; then a copy of the adapter with its
+    """LoRA loaded into a server started with --enable-lora, full weights reloaded into one without it, from
+    disk and then by CUDA IPC from a model on the GPU; each proven by the probe against the trainer's bf16
+    logprobs; then a copy of the adapter with its
     LoRA B weights redrawn, carrying the right adapter's probe, is refused; the servers still answer."""
     from bench.gpu_check import SMOLLM2_135M, publish_latency
 
@@ -34,7 +35,8 @@ def test_lora_and_full_publishes_are_proven_and_a_wrong_adapter_is_refused(tmp_p
                               memory_share=MEMORY_SHARE, repeats=1)
     print(figures["summary"])
     probes = figures["probes"]
-    assert probes["lora"]["ok"] and probes["full"]["ok"], probes
+    assert probes["lora"]["ok"] and probes["full"]["ok"] and probes["full from memory"]["ok"], probes
+    assert figures["memory_routes"] == ["memory"]  # CUDA IPC, not the fallback to disk
     assert not probes["wrong lora (caught?)"]["ok"], probes
     assert probes["lora"]["tolerance"] == 5e-2
     assert figures["answers_after"]

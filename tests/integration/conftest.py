@@ -37,6 +37,7 @@ VLLM_MAX_LORA_RANK = 16
 
 def _shared_server(model_dir: Path, log_dir: Path) -> VLLMServer:
     from tracetrain.engines.vllm_server import VLLMServer
+    from tracetrain.engines.weight_transfer import server_config
 
     return VLLMServer(
         model_dir,
@@ -45,6 +46,7 @@ def _shared_server(model_dir: Path, log_dir: Path) -> VLLMServer:
         kv_cache_gib=2,
         enable_lora=True,
         max_lora_rank=VLLM_MAX_LORA_RANK,
+        extra_args=server_config("shm")[0],  # full weights from memory (test_publish.py)
         log_path=log_dir / "vllm.log",
     )
 

@@ -38,6 +38,7 @@ from tracetrain.engines.transformers_publish import InProcessPublisher  # noqa: 
 from tracetrain.engines.vllm import VLLMEngine  # noqa: E402
 from tracetrain.engines.vllm_publish import VLLMLoRAPublisher, VLLMReloadPublisher  # noqa: E402
 from tracetrain.engines.vllm_server import async_http_client, http_client  # noqa: E402
+from tracetrain.engines.weight_transfer import SHARED_MEMORY  # noqa: E402
 from tracetrain.proxy.replica_sync import ReplicaSync  # noqa: E402
 from tracetrain.store.db import open_db  # noqa: E402
 from tracetrain.store.writer import StoreWriter  # noqa: E402
@@ -365,6 +366,32 @@ async def test_reload_publish_serves_the_full_checkpoint(
     deltas = await generate(engine, prompt)
     assert token_ids(deltas) != before
     await assert_matches(engine, model, prompt, deltas)
+
+
+@vllm
+async def test_full_weights_sent_from_memory_serve_exactly_the_checkpoint(
+    engine, vllm_server, prompt, full_checkpoint, restore_base_weights
+):
+    """The trainer's tensors reach vLLM through /dev/shm (the shared server runs the `tracetrain_shm`
+    backend), not through the checkpoint's files; the shared file is gone afterwards."""
+    path, model = full_checkpoint
+    publisher = VLLMReloadPublisher(engine, vllm_server.model_dir, transfer=SHARED_MEMORY)
+    await publisher.publish(Checkpoint(8, path, "full", weights=lambda: model.state_dict().items()))
+    assert publisher.last_route == "memory" and engine.version == 8
+    await assert_matches(engine, model, prompt, await generate(engine, prompt))
+    assert not list(Path("/dev/shm").glob("tracetrain-weights-*"))
+
+
+@vllm
+async def test_a_transfer_vllm_refuses_falls_back_to_the_checkpoint_on_disk(
+    engine, vllm_server, prompt, full_checkpoint, restore_base_weights
+):
+    path, model = full_checkpoint
+    publisher = VLLMReloadPublisher(engine, vllm_server.model_dir, transfer=SHARED_MEMORY)
+    wrong = {"model.norm.weight": torch.zeros(3)}  # the model's norm has 576 entries
+    await publisher.publish(Checkpoint(9, path, "full", weights=lambda: wrong.items()))
+    assert publisher.last_route == "disk" and engine.version == 9
+    await assert_matches(engine, model, prompt, await generate(engine, prompt))
 
 
 @vllm

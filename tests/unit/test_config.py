@@ -142,6 +142,21 @@ def test_admission_auto_holds_agents_only_for_an_async_trainer_in_this_gateway()
     assert explicit.gateway.admission == "none"
 
 
+def test_full_weights_go_from_memory_only_where_the_trainer_and_vllm_share_this_process_and_machine() -> None:
+    """`train.weight_transfer: auto` on this machine (no GPU): shared memory for `serve --train` with the
+    local backend and servers started here; otherwise the checkpoint on disk."""
+    def resolved(*settings: str, training_here: bool = True) -> str:
+        config = Config(**parse_set(["engine.kind=vllm", *settings]))
+        return config.settled(training_here=training_here).train.weight_transfer
+
+    assert resolved() == "shm"
+    assert resolved(training_here=False) == "disk"  # `serve`: the trainer is another process
+    assert resolved("engine.urls=http://127.0.0.1:9") == "disk"  # vLLM started by someone else
+    assert resolved("lora=true", "train.publish=lora") == "disk"  # adapters are loaded, not weights
+    assert resolved("train.weight_transfer=disk") == "disk"
+    assert resolved("engine.urls=http://127.0.0.1:9", "train.weight_transfer=shm") == "shm"  # as told
+
+
 def _autos(model: Any, prefix: str = "") -> list[str]:
     found = []
     for name, value in model:

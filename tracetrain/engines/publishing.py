@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -21,6 +21,12 @@ from tracetrain.config import DEFAULT_POLICY
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+WeightSource = Callable[[], Iterable[tuple[str, Any]]]
+"""A version's full weights (name, tensor) by the names its checkpoint's model files use, what `reload_weights`
+would read from them, produced when a publisher asks: how a trainer in the publisher's process hands its
+tensors over (engines/weight_transfer.py)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,10 @@ class Checkpoint:
     kind: Literal["full", "lora"]
     line: str = DEFAULT_POLICY
     """The named policy whose line it continues; a named policy's versions are LoRA adapters on the base model."""
+    weights: WeightSource | None = field(default=None, compare=False, repr=False)
+    """The same full weights in the trainer's memory, when the trainer runs in the publisher's process: a
+    publisher that can send them into the engine does so instead of having it read `path`
+    (engines/weight_transfer.py)."""
 
 
 class PublishError(Exception):

@@ -240,6 +240,10 @@ class VLLMReloadPublisher:
     request. `"keep"` freezes them and continues them on the new weights after `/resume` (faster swap,
     mixed-version generations). vLLM's default, `"abort"`, ends them early with finish_reason `abort`,
     so it is not offered.
+
+    With `transfer` (a weight-transfer backend the server was started with, engines/weight_transfer.py), a
+    checkpoint that carries its weights in memory is sent from there; its directory is the fallback when
+    the transfer fails. `last_route` says which way the last version went.
     """
 
     pauses_engine = True
@@ -253,8 +257,11 @@ class VLLMReloadPublisher:
         pause_mode: PauseMode = "wait",
         drain_timeout: float = 600.0,
         reload_timeout: float = 300.0,
+        transfer: str | None = None,
     ) -> None:
         self.engine = engine
+        self.transfer = transfer
+        self.last_route: Literal["memory", "disk"] | None = None
         self.server_model_dir = Path(server_model_dir)
         self.pause_mode = pause_mode
         self.drain_timeout = drain_timeout
@@ -292,6 +299,17 @@ class VLLMReloadPublisher:
             raise PublishError(f"pausing vLLM failed ({response.status_code}): {_vllm_message(response)}")
 
     async def _reload_or_restore(self, client: httpx.AsyncClient, checkpoint: Checkpoint) -> None:
+        if self.transfer is not None and checkpoint.weights is not None:
+            from tracetrain.engines import weight_transfer
+
+            try:
+                async with _control_client(self.engine, self.reload_timeout) as transfer_client:
+                    await weight_transfer.send(transfer_client, checkpoint.weights(), self.transfer)
+                self.current_weights, self.last_route = checkpoint.path, "memory"
+                return
+            except PublishError as exc:
+                log.error("sending version %d from memory failed, reloading it from %s: %s", checkpoint.version,
+                          checkpoint.path, exc)
         try:
             await self._reload(client, checkpoint.path)
         except PublishError as exc:
@@ -303,7 +321,7 @@ class VLLMReloadPublisher:
                 raise PublishError(f"{exc}; restoring the previous weights also failed, vLLM may be "
                                    f"unusable: {restore_exc}") from exc
             raise
-        self.current_weights = checkpoint.path
+        self.current_weights, self.last_route = checkpoint.path, "disk"
 
     async def _reload(self, client: httpx.AsyncClient, weights: Path) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights.resolve())},

@@ -10,12 +10,16 @@ Both backends run the same step (trainer/step.py) with the same verl losses:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tracetrain.config import TrainConfig
 from tracetrain.trainer.data import Sample
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -40,6 +44,17 @@ class TrainerBackend(Protocol):
 
     def close(self) -> None:
         """Free the devices and processes (a no-op for `local`)."""
+        ...
+
+
+@runtime_checkable
+class WeightsInMemory(Protocol):
+    """A backend whose weights live in this process (the local backend): a publisher here can send them into
+    the engine from memory instead of having it read the checkpoint (engines/weight_transfer.py)."""
+
+    def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights the engine serves, named as in the checkpoint's model files: the model's, or with
+        `merged` the default adapter folded into the base weights."""
         ...
 
 

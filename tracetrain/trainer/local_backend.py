@@ -8,6 +8,7 @@ a model per policy. The default policy's adapter is PEFT's `default`, so its che
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,15 @@ class LocalBackend:
         else:
             checkpoint.save_adapter(self.model, path, adapter_name(self.active))
         checkpoint.save_sharded(path / checkpoint.SHARDED_DIR, self.model, self.optimizer)
+
+    def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        state = self.model.state_dict()
+        if not merged:
+            return state.items()
+        weights = checkpoint.merge_lora(state, self.cfg.lora_alpha / self.cfg.lora_rank)
+        if getattr(self.model.get_base_model().config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)  # as save_weights writes it: the embedding serves as the head
+        return weights.items()
 
     def logprobs(self, token_ids: list[int]) -> list[float]:
         with autocast(self.cfg, self.device):

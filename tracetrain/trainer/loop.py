@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from sqlalchemy.engine import Engine as DBEngine
@@ -31,10 +31,11 @@ from transformers import AutoTokenizer
 
 from tracetrain.config import DEFAULT_POLICY, TrainConfig
 from tracetrain.engines.probe import PROBE_TEXT, Probe, write_probe
+from tracetrain.engines.publishing import WeightSource
 from tracetrain.store import leases, policy_lines, promotion
 from tracetrain.trainer import checkpoint
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
-from tracetrain.trainer.backend import MultiLineBackend, StepBatch, TrainerBackend, make_backend
+from tracetrain.trainer.backend import MultiLineBackend, StepBatch, TrainerBackend, WeightsInMemory, make_backend
 from tracetrain.trainer.batch import Batch, BatchGatherer
 from tracetrain.trainer.data import Sample
 from tracetrain.trainer.devices import release_cached_memory
@@ -43,8 +44,10 @@ from tracetrain.trainer.step import rl_advantages
 
 log = logging.getLogger(__name__)
 
-PublishFn = Callable[[int, Path, str], None]
-"""(version, checkpoint dir, kind 'full'|'lora') -> None; raises if the engine could not take it."""
+class PublishFn(Protocol):
+    def __call__(self, version: int, path: Path, kind: str, *, weights: WeightSource | None = None) -> None:
+        """Have the engine serve the checkpoint in `path` (kind 'full' or 'lora'); raise if it could not.
+        `weights`: the same full weights in this process's memory, for a publisher that can send them."""
 LinePublishFn = Callable[[str, int, Path], None]
 """(named policy, version, LoRA adapter dir) -> None: a named line's version; raises if the engine could not take it."""
 POLICIES_DIR = "policies"
@@ -366,6 +369,14 @@ class Trainer:
         self.wait_for_publish()
         self._publishing = self._publisher.submit(self._publish, line, line.version, path)
 
+    def _in_memory(self) -> WeightSource | None:
+        """The full weights just checkpointed, as they are in this process, for a publisher that sends them into
+        the engine from memory. None under `publish_overlap`: the next step would change them under the
+        transfer."""
+        if self.kind != "full" or self.cfg.publish_overlap or not isinstance(self.backend, WeightsInMemory):
+            return None
+        return functools.partial(self.backend.served_weights, merged=self.serves_merged)
+
     def wait_for_publish(self) -> None:
         """Block until the version being published in the background (if any) is published or has failed."""
         if self._publishing is not None:
@@ -377,7 +388,9 @@ class Trainer:
             if self.publish is None:
                 return
             served = path / checkpoint.MERGED_DIR if self.serves_merged else path
-            hand_over = functools.partial(self.publish, version, served, self.kind)
+            weights = self._in_memory()
+            hand_over = functools.partial(self.publish, version, served, self.kind,
+                                          **({"weights": weights} if weights is not None else {}))
         else:
             if self.publish_line is None:
                 return

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from tracetrain.config import DEFAULT_POLICY, TrainConfig
-from tracetrain.engines.publishing import Checkpoint
+from tracetrain.engines.publishing import Checkpoint, WeightSource
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine as DBEngine
@@ -49,8 +49,8 @@ class TrainerThread:
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         from tracetrain.trainer.loop import Trainer
 
-        def publish(version: int, path: Path, kind: str) -> None:
-            checkpoint = Checkpoint(version, path, kind)  # type: ignore[arg-type]
+        def publish(version: int, path: Path, kind: str, *, weights: WeightSource | None = None) -> None:
+            checkpoint = Checkpoint(version, path, kind, weights=weights)  # type: ignore[arg-type]
             asyncio.run_coroutine_threadsafe(self.publish_async(checkpoint), loop).result(timeout=600)
 
         def publish_line(line: str, version: int, path: Path) -> None:
@@ -89,7 +89,9 @@ def run_standalone(cfg: TrainConfig, db: DBEngine, base_dir: Path, gateway_url: 
     """`tracetrain train`: the trainer as its own process, handing checkpoints to the gateway over HTTP."""
     from tracetrain.trainer.loop import Trainer
 
-    def publish(version: int, path: Path, kind: str, policy: str = DEFAULT_POLICY) -> None:
+    def publish(version: int, path: Path, kind: str, policy: str = DEFAULT_POLICY, *,
+                weights: WeightSource | None = None) -> None:
+        # `weights` cannot cross to another process: the gateway reloads the version from `path`
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         response = httpx.post(f"{gateway_url}/v1/policies", headers=headers, timeout=600,
                               json={"version": version, "checkpoint": str(path.resolve()), "kind": kind,

@@ -163,6 +163,20 @@ def expect_kind(checkpoint: Checkpoint, kind: str, publisher: str) -> None:
                            f"(version {checkpoint.version} at {checkpoint.path})")
 
 
+def check_weights(weights: list[tuple[str, Any]], reference: TensorIndex) -> None:
+    """Weights sent from memory must be the served model's tensors, with the same shapes, as a checkpoint on
+    disk must (`check_full_checkpoint`): vLLM would keep the old values of missing ones, and a wrong shape
+    fails inside vLLM with the engine halfway through loading. A tied head (`lm_head.weight`, which model
+    files leave out) may come along; vLLM skips it."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in weights}
+    missing = sorted(reference.keys() - shapes.keys())
+    extra = sorted(shapes.keys() - reference.keys() - {"lm_head.weight"})
+    wrong = sorted(k for k in reference.keys() & shapes.keys() if reference[k] != shapes[k])
+    if missing or extra or wrong:
+        raise PublishError(f"the weights in memory do not match the served model: missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}, wrong shapes {[(k, shapes[k], reference[k]) for k in wrong[:3]]}")
+
+
 def check_known(shapes: TensorIndex, reference: Mapping[str, tuple[int, ...]], path: Path) -> None:
     unknown = sorted(k for k in shapes if k not in reference or reference[k] != shapes[k])
     if unknown:

@@ -28,6 +28,7 @@ from tracetrain.engines.publishing import (
     TensorIndex,
     check_full_checkpoint,
     check_lora_checkpoint,
+    check_weights,
     expect_kind,
     model_shapes,
 )
@@ -284,7 +285,8 @@ class VLLMReloadPublisher:
                 await self._reset_prefix_cache(client)
             finally:
                 await self._resume(client)
-        log.info("serving full checkpoint version %d from %s", checkpoint.version, checkpoint.path)
+        log.info("serving full checkpoint version %d (%s: %s)", checkpoint.version,
+                 "sent from memory" if self.last_route == "memory" else "reloaded from", checkpoint.path)
 
     async def _pause(self, client: httpx.AsyncClient) -> None:
         """Returns once vLLM has stopped scheduling: with "wait", after in-flight requests finished."""
@@ -302,12 +304,16 @@ class VLLMReloadPublisher:
         if self.transfer is not None and checkpoint.weights is not None:
             from tracetrain.engines import weight_transfer
 
+            source = checkpoint.weights
             try:
+                weights = await asyncio.to_thread(lambda: list(source()))  # a merge would stall the loop
+                assert self._reference is not None  # read by `publish` before the pause
+                check_weights(weights, self._reference)
                 async with _control_client(self.engine, self.reload_timeout) as transfer_client:
-                    await weight_transfer.send(transfer_client, checkpoint.weights(), self.transfer)
+                    await weight_transfer.send(transfer_client, weights, self.transfer)
                 self.current_weights, self.last_route = checkpoint.path, "memory"
                 return
-            except PublishError as exc:
+            except Exception as exc:  # the checkpoint on disk is the fallback, whatever went wrong here
                 log.error("sending version %d from memory failed, reloading it from %s: %s", checkpoint.version,
                           checkpoint.path, exc)
         try:

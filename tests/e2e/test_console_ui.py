@@ -96,7 +96,8 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
                        publisher=InProcessPublisher(tiny_engine),
                        gateway={"api_keys": [AGENT_A, AGENT_B], "admin_key": ADMIN_KEY})
 
-    def publish(version: int, path: Path, kind: str) -> None:  # as a trainer in its own process does
+    # as a trainer in its own process does (its weights cannot cross processes)
+    def publish(version: int, path: Path, kind: str, *, weights: object = None) -> None:
         response = httpx.post(f"{gw.url}/v1/policies", headers=_auth(ADMIN_KEY), timeout=120,
                               json={"version": version, "checkpoint": str(path), "kind": kind})
         response.raise_for_status()

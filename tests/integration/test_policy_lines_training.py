@@ -78,7 +78,7 @@ def test_each_policy_trains_on_its_own_sessions_with_its_own_versions_and_settin
     _add(db_url, "coding.v2", "c", 2)
     published: list[tuple[str, int, Path]] = []
     trainer = Trainer(_cfg(tmp_path), db, tiny_model_path,
-                      publish=lambda v, p, k: published.append((DEFAULT_POLICY, v, p)),
+                      publish=lambda v, p, k, weights=None: published.append((DEFAULT_POLICY, v, p)),
                       publish_line=lambda line, v, p: published.append((line, v, p)))
     assert set(trainer.lines) == {DEFAULT_POLICY, "support", "coding.v2"}
     backend = trainer.backend

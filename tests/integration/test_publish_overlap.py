@@ -32,7 +32,7 @@ def test_versions_publish_in_order_while_the_next_step_trains(tiny_model_path: P
 
     spans: list[tuple[int, float, float, str]] = []
 
-    def publish(version: int, path: Path, kind: str) -> None:
+    def publish(version: int, path: Path, kind: str, *, weights: object = None) -> None:
         began = time.monotonic()
         assert (path / "adapter_config.json").is_file(), "the checkpoint is on disk before its publish"
         time.sleep(PUBLISH_S)

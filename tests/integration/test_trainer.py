@@ -159,7 +159,8 @@ def test_lora_checkpoints_can_carry_merged_full_weights(tiny_model_path: Path, t
     published: list[tuple[int, Path, str]] = []
     cfg = TrainConfig(lr=1e-2, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt", lora=True,
                       lora_rank=8, publish="reload")
-    trainer = Trainer(cfg, open_db(db_url), tiny_model_path, publish=lambda v, p, k: published.append((v, p, k)))
+    trainer = Trainer(cfg, open_db(db_url), tiny_model_path,
+                      publish=lambda v, p, k, weights=None: published.append((v, p, k)))
     assert trainer.step_once()
     ((version, path, kind),) = published
     assert (version, kind, path.name) == (1, "full", "merged")

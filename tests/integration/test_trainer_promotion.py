@@ -40,7 +40,8 @@ def test_the_trainer_waits_for_its_canary_and_continues_from_the_promoted_line(t
                 add_session(s, f"{name}-{i}", name, reward, version=version)
             s.commit()
 
-    def as_canary(version: int, path: Path, kind: str) -> None:  # what the gateway records under `canary`
+    # what the gateway records under `canary`
+    def as_canary(version: int, path: Path, kind: str, *, weights: object = None) -> None:
         with Session(db) as s:
             promotion.mark_published(s, version=version, checkpoint=path, kind=kind, promotion="canary")
 
@@ -106,7 +107,7 @@ def test_a_named_policys_rollback_moves_only_its_own_line_back(tiny_model_path: 
 
     cfg = TrainConfig(lora=True, lora_rank=4, publish="lora", lr=5e-2, batch_sessions=4, min_sessions=1,
                       max_staleness=2, group_settle_s=0, checkpoint_dir=tmp_path / "ckpt")
-    trainer = Trainer(cfg, db, tiny_model_path, publish=lambda v, p, k: as_canary(DEFAULT_POLICY, v, p),
+    trainer = Trainer(cfg, db, tiny_model_path, publish=lambda v, p, k, weights=None: as_canary(DEFAULT_POLICY, v, p),
                       publish_line=as_canary)
     backend = trainer.backend
     assert isinstance(backend, LocalBackend)

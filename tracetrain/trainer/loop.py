@@ -388,9 +388,7 @@ class Trainer:
             if self.publish is None:
                 return
             served = path / checkpoint.MERGED_DIR if self.serves_merged else path
-            weights = self._in_memory()
-            hand_over = functools.partial(self.publish, version, served, self.kind,
-                                          **({"weights": weights} if weights is not None else {}))
+            hand_over = functools.partial(self.publish, version, served, self.kind, weights=self._in_memory())
         else:
             if self.publish_line is None:
                 return

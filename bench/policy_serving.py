@@ -34,7 +34,7 @@ from bench.common import (
     run_started,
 )
 from tracetrain.engines.models import smollm2_dir
-from tracetrain.engines.probe import PROBE_TEXT, Probe, write_probe
+from tracetrain.engines.probe import Probe, probe_token_ids, write_probe
 
 MODEL = "smollm2"
 ARMS = (1, 2, 4, 8)
@@ -99,7 +99,7 @@ class Adapters:
     def __init__(self, root: Path) -> None:
         self.root = root
         base_dir = smollm2_dir()
-        self.probe_ids = AutoTokenizer.from_pretrained(str(base_dir)).encode(PROBE_TEXT, add_special_tokens=False)
+        self.probe_ids = probe_token_ids(AutoTokenizer.from_pretrained(str(base_dir)))
         base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
         config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=LORA_TARGETS)
         self.model = get_peft_model(base, config)

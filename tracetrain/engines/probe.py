@@ -10,8 +10,9 @@ when other adapters share the batch (vLLM issue #16668): the scores come out wro
 dies of it, which a publish beside other policies' traffic would otherwise trigger.
 
 A replica whose logprobs differ by more than the tolerance for the dtype it serves is not switched to the
-version: it is taken out of routing, and the reason is recorded in the replica's events and on the
-version's row. This catches swaps that silently keep the
+version, and the reason is recorded in the replica's events and on the version's row. It is taken out of
+routing when other replicas took the version; when none did, every replica keeps its previous adapter
+(engines/replica_publish.py). This catches swaps that silently keep the
 old adapter or the base model, a known failure of peer systems.
 
 The comparison is the mean absolute difference over the scored tokens, so one token with an unlucky
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING
 from tracetrain.engines.vllm_server import async_http_client
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tracetrain.engines.vllm import VLLMEngine
 
 PROBE_FILE = "probe.json"
@@ -43,6 +47,27 @@ TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 5e-2}
 by the dtype the replica serves. Rounding alone: float32 agrees to about 1e-4 per token (vLLM on CPU
 against transformers, tests/integration/test_publish.py); 16-bit formats keep 8 (bfloat16) or 11
 (float16) bits of mantissa, hence the wider bounds."""
+
+
+PROBE_LENGTH = 48
+"""Tokens in a probe drawn from the vocabulary (`probe_token_ids`, for tokenizers that do not know the text)."""
+
+
+def probe_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens every checkpoint's probe scores: PROBE_TEXT, unless the tokenizer maps it to only a few
+    distinct tokens (a small word-level vocabulary turns it into one unknown token, over and over). Such a
+    probe scores one token the policy never emits, whose logit training drives far down, where a 16-bit
+    format's rounding is largest: on a GPU in bfloat16 it missed its tolerance on the right weights. Then
+    the probe is a fixed draw of ordinary (non-special) tokens of the vocabulary instead."""
+    ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    if len(set(ids)) >= PROBE_POSITIONS:
+        return list(ids)
+    special = set(tokenizer.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+    if len(ordinary) < 2:
+        raise ValueError(f"a probe needs a vocabulary of at least two ordinary tokens, not {len(ordinary)}")
+    draw = random.Random(0)
+    return [draw.choice(ordinary) for _ in range(PROBE_LENGTH)]
 
 
 @dataclass(frozen=True)

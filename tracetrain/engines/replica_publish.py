@@ -2,8 +2,10 @@
 replica did not serve.
 
 - LoRA: the adapter is loaded into every replica in service first; then all of them switch to it at
-  once (no await in between, so no request is routed in a mixed state); a replica whose load fails is
-  taken out, still holding the old version, and the failure is recorded in the set's events.
+  once (no await in between, so no request is routed in a mixed state); a replica whose load or probe
+  fails is taken out, still holding the old version, and the failure is recorded in the set's events.
+  When every replica refuses the version, none is taken out: each keeps serving its previous, proven
+  adapter, and the refused one is unloaded.
 - Full weights: one replica at a time is drained from routing (its sessions spill to the others),
   reloaded in place and put back, so serving never stops; during the roll replicas serve different
   versions, and each call records its own replica's.
@@ -300,6 +302,14 @@ class ReplicaPublisher:
         results = await asyncio.gather(*(load(i) for i in targets), return_exceptions=True)
         failures = {i: f"{lora[i].engine.base_url}: {r}" for i, r in zip(targets, results, strict=True)
                     if isinstance(r, BaseException)}
+        if len(failures) == len(targets):
+            # A refused adapter was never switched to: each replica still serves its previous, proven one.
+            # Taking them all out would turn one refused version (a rounding-sized probe miss included)
+            # into an outage, so they stay in service and only the refused adapter goes.
+            for i, reason in failures.items():
+                self.replicas.record(i, "publish_failed", reason)
+            await asyncio.gather(*(lora[i].retire(checkpoint.version) for i in targets))
+            return failures
         for i, reason in failures.items():
             self._failed(i, checkpoint, reason)
         for i in targets:  # one synchronous pass: every replica switches before the next request

@@ -30,7 +30,7 @@ from sqlmodel import Session
 from transformers import AutoTokenizer
 
 from tracetrain.config import DEFAULT_POLICY, TrainConfig
-from tracetrain.engines.probe import PROBE_TEXT, Probe, write_probe
+from tracetrain.engines.probe import Probe, probe_token_ids, write_probe
 from tracetrain.engines.publishing import WeightSource
 from tracetrain.store import leases, policy_lines, promotion
 from tracetrain.trainer import checkpoint
@@ -109,8 +109,7 @@ class Trainer:
         """The version being published while the next step trains (`train.publish_overlap`)."""
         torch.manual_seed(cfg.seed)
         self.lines: dict[str, Line] = {DEFAULT_POLICY: self._open_line(DEFAULT_POLICY, cfg, cfg.checkpoint_dir)}
-        self.probe_ids: list[int] = AutoTokenizer.from_pretrained(str(base_dir)).encode(
-            PROBE_TEXT, add_special_tokens=False)
+        self.probe_ids: list[int] = probe_token_ids(AutoTokenizer.from_pretrained(str(base_dir)))
         """Tokens every checkpoint's probe scores, so that each replica can prove it serves the new weights."""
         self.backend: TrainerBackend = self._load()
         if self.line is not None:

@@ -4,6 +4,7 @@ budget and held-out evaluation, with the traffic shaped differently in each arm.
     python -m bench.learning_arms                                   # every arm, seeds 0 1 2
     python -m bench.learning_arms --arms grouped singletons --seeds 0 --episodes 64 \\
         --results-dir /tmp/learning_arms                            # smoke
+    python -m bench.learning_arms --seeds 1 --keep                  # seed 1 added to the current file
 
 Each (seed, arm) runs `tracetrain demo --seed N` exactly as a user runs it (its own vLLM, gateway,
 trainer and agent processes, the demo's trainer settings), with the arm's agent flags (see
@@ -50,6 +51,7 @@ from bench.common import (
     add_results_dir_argument,
     command_line,
     console,
+    provenance,
     run_started,
     write_results,
 )
@@ -88,18 +90,37 @@ def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, 
                "--eval-size", str(eval_size), "--out", str(out), "--agent-args", agent,
                *(f"--set={s}" for s in spec.train)]
     tag = escape(f"[{arm} seed {seed}]")  # rich would read the brackets as markup
+    started = run_started()
     console.log(f"{tag} {' '.join(command[3:])}")
     began = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60}
+    info = provenance(started)
+    summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60, "episode_budget": episodes,
+                "eval_size": eval_size, "provenance": {k: info[k] for k in RUN_PROVENANCE}}
     console.log(f"{tag} held-out {summary['before']['mean_reward']:.3f} -> "
                 f"{summary['after']['mean_reward']:.3f}; {summary['episodes']} episodes, trained on "
                 f"{summary['trained_share']:.0%}; set aside {summary['set_aside']}; "
                 f"{summary['wall_minutes']:.1f} min")
     return summary
+
+
+RUN_PROVENANCE = ("git_sha", "cpu_model", "load_average_start", "load_average", "started_utc", "ended_utc")
+"""Kept with each run: with `--keep`, the runs of one results file may come from several sittings."""
+
+
+def kept_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The current results file's runs with this invocation's episode budget and held-out size, except those
+    it is about to run again: `--keep` adds seeds (or arms) to a results file one sitting at a time."""
+    path = args.results_dir / f"{NAME}.json"
+    if not args.keep or not path.exists():
+        return []
+    again = {(arm, seed) for arm in args.arms for seed in args.seeds}
+    runs: list[dict[str, Any]] = json.loads(path.read_text())["raw"]["runs"]
+    return [r for r in runs if (r["arm"], r["seed"]) not in again
+            and r.get("episode_budget") == args.episodes and r.get("eval_size") == args.eval_size]
 
 
 def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
@@ -108,8 +129,9 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
 
 def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunStart) -> Path:
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    seeds = sorted({r["seed"] for r in runs})
     table = ResultTable(f"held-out mean reward ({args.eval_size} test sums, greedy): mean (min–max) over seeds "
-                        f"{', '.join(map(str, args.seeds))}",
+                        f"{', '.join(map(str, seeds))}",
                         ["arm", "traffic", "before (untrained)", "after", "gain", "episodes", "rewarded",
                          "trained on", "set aside (by reason, mean per run)", "versions"])
     for arm in arms:
@@ -147,6 +169,11 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
              "the agent logs the true reward of every episode; the trainer sees only what was posted (flipped, "
              "late or not at all)",
              f"plot: `{plot.name}`"]
+    sittings = sorted({(r["provenance"]["started_utc"][:10], r["provenance"]["git_sha"][:12]) for r in runs
+                       if "provenance" in r})
+    if len(sittings) > 1:
+        notes.append("runs from several sittings (`--keep`), each run's provenance in the JSON: "
+                     + "; ".join(f"{day} at git {sha}" for day, sha in sittings))
     return write_results(NAME, "Learning from production-shaped traffic", command_line("bench.learning_arms"),
                          [table, times, per_run], notes, raw={"runs": runs}, started=started,
                          results_dir=args.results_dir)
@@ -180,9 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=512, help="episode budget of every run")
     parser.add_argument("--minutes", type=float, default=20.0, help="a run's cap, should the budget take longer")
     parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the current results file's runs of other seeds or arms (same episode budget and "
+                        "held-out size), so that seeds can be run one sitting at a time")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     started = run_started()
+    kept = kept_runs(args)
     runs: list[dict[str, Any]] = []
     order = list(args.arms)
     total = len(order) * len(args.seeds)
@@ -192,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             console.log(f"run {len(runs) + 1} of {total}")
             runs.append(run_arm(arm, seed, args.episodes, args.minutes, args.eval_size,
                                 OUT_DIR / NAME / f"{arm}-seed{seed}"))
-    console.print(f"results: {report(args, runs, started)}")
+    console.print(f"results: {report(args, kept + runs, started)}")
 
 
 if __name__ == "__main__":

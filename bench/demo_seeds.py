@@ -212,11 +212,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="choose settings on the validation split: every combination of these values, each over "
                              "--seeds, scored by the rule in bench/demo_choice.py; writes demo_choice.{md,json}")
     parser.add_argument("--from-json", action="store_true",
-                        help="only write the report again from bench/results/demo_seeds.json")
+                        help="only write the report again from bench/results/demo_seeds.json (with --grid: "
+                             "demo_choice.json, under the current rule)")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     if args.from_json:
-        console.print(f"results: {rerender(args)}")
+        console.print(f"results: {choice.rerender(args) if args.grid else rerender(args)}")
         return
     started = run_started()
     if args.grid:

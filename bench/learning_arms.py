@@ -21,12 +21,16 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
 - `noisy`: 20% of rewards flipped;
 - `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
   trains those all-equal groups against the running baseline (`train.flat_groups=baseline`) instead of
-  setting them aside, and `hard+singletons` sends it one attempt at a time.
+  setting them aside, and `hard+singletons` sends it one attempt at a time;
+- `multi-turn`: another task and agent (`tracetrain demo --agent tools`): a LangChain agent adds three
+  numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
+  its held-out set is its own, so compare its gain, not its level, with the others.
 
 Per arm: held-out before and after (mean and min-max over seeds), episodes generated and rewarded,
 the share of generated episodes the trainer trained on, and what it set aside by reason. Results:
 `bench/results/learning_arms.{md,json,png}`. The held-out metric (mean reward on 64 test sums, greedy)
-is fixed before any run; no setting here was chosen on the test split.
+is fixed before any run; no setting here was chosen on the test split. `--eval-split validation` runs the
+same on the validation split, into `learning_arms_validation.*`: how the multi-turn task was chosen.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class Arm:
     """Flags for the demo agent on top of the episode budget."""
     train: tuple[str, ...] = ()
     """`--set` values for the trainer."""
+    demo: tuple[str, ...] = ()
+    """Flags for `tracetrain demo` itself (which agent runs)."""
 
 
 ARMS = {
@@ -79,15 +85,27 @@ ARMS = {
                          ("--reward", "exact"), ("train.flat_groups=baseline",)),
     "hard+singletons": Arm("exact answers only, one attempt per problem",
                            ("--reward", "exact", "--group-size", "1", "--no-group")),
+    "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
+                      "at the end", ("--operands", "3"), demo=("--agent", "tools")),
+    "multi-turn-2": Arm("LangChain tool agent: 2 numbers added in 1 forced tool call, then the answer; one reward "
+                        "at the end", ("--operands", "2"), demo=("--agent", "tools")),
 }
 
 
-def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, out: Path) -> dict[str, Any]:
+def results_name(split: str) -> str:
+    """The test split's results are the benchmark's; runs on the validation split (choosing settings or a
+    task) go to a file of their own, so that nothing chosen on them is ever read off the test split."""
+    return NAME if split == "test" else f"{NAME}_{split}"
+
+
+def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, out: Path,
+            split: str = "test") -> dict[str, Any]:
     spec = ARMS[arm]
     shutil.rmtree(out, ignore_errors=True)
     agent = " ".join(("--episodes", str(episodes), *spec.agent))
     command = [sys.executable, "-m", "tracetrain.cli", "demo", "--seed", str(seed), "--minutes", str(minutes),
-               "--eval-size", str(eval_size), "--out", str(out), "--agent-args", agent,
+               "--eval-size", str(eval_size), "--eval-split", split, "--out", str(out), "--agent-args", agent,
+               *spec.demo,
                *(f"--set={s}" for s in spec.train)]
     tag = escape(f"[{arm} seed {seed}]")  # rich would read the brackets as markup
     started = run_started()
@@ -99,7 +117,7 @@ def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, 
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     info = provenance(started)
     summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60, "episode_budget": episodes,
-                "eval_size": eval_size, "provenance": {k: info[k] for k in RUN_PROVENANCE}}
+                "eval_size": eval_size, "eval_split": split, "provenance": {k: info[k] for k in RUN_PROVENANCE}}
     console.log(f"{tag} held-out {summary['before']['mean_reward']:.3f} -> "
                 f"{summary['after']['mean_reward']:.3f}; {summary['episodes']} episodes, trained on "
                 f"{summary['trained_share']:.0%}; set aside {summary['set_aside']}; "
@@ -114,7 +132,7 @@ RUN_PROVENANCE = ("git_sha", "cpu_model", "load_average_start", "load_average", 
 def kept_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The current results file's runs with this invocation's episode budget and held-out size, except those
     it is about to run again: `--keep` adds seeds (or arms) to a results file one sitting at a time."""
-    path = args.results_dir / f"{NAME}.json"
+    path = args.results_dir / f"{results_name(args.eval_split)}.json"
     if not args.keep or not path.exists():
         return []
     again = {(arm, seed) for arm in args.arms for seed in args.seeds}
@@ -130,8 +148,8 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
 def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunStart) -> Path:
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     seeds = sorted({r["seed"] for r in runs})
-    table = ResultTable(f"held-out mean reward ({args.eval_size} test sums, greedy): mean (min–max) over seeds "
-                        f"{', '.join(map(str, seeds))}",
+    table = ResultTable(f"held-out mean reward ({args.eval_size} {args.eval_split} problems, greedy): mean (min–max) "
+                        f"over seeds {', '.join(map(str, seeds))}",
                         ["arm", "traffic", "before (untrained)", "after", "gain", "episodes", "rewarded",
                          "trained on", "set aside (by reason, mean per run)", "versions"])
     for arm in arms:
@@ -158,7 +176,8 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
         mine = [r.get("step_time_s", {}) for r in runs if r["arm"] == arm]
         times.add(arm, *(f"{statistics.fmean(m.get(p, 0.0) for m in mine):.2f}" for p in parts))
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    plot = args.results_dir / f"{NAME}.png"
+    name = results_name(args.eval_split)
+    plot = args.results_dir / f"{name}.png"
     _plot(runs, arms, plot)
     notes = [f"each run: `tracetrain demo --seed N --eval-size {args.eval_size} --agent-args '--episodes "
              f"{args.episodes} …'` with the demo's trainer settings (tracetrain/demo/run.py DEMO_TRAINING) and the "
@@ -174,7 +193,8 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
     if len(sittings) > 1:
         notes.append("runs from several sittings (`--keep`), each run's provenance in the JSON: "
                      + "; ".join(f"{day} at git {sha}" for day, sha in sittings))
-    return write_results(NAME, "Learning from production-shaped traffic", command_line("bench.learning_arms"),
+    heading = "Learning from production-shaped traffic" + ("" if name == NAME else f" ({args.eval_split} split)")
+    return write_results(name, heading, command_line("bench.learning_arms"),
                          [table, times, per_run], notes, raw={"runs": runs}, started=started,
                          results_dir=args.results_dir)
 
@@ -207,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=512, help="episode budget of every run")
     parser.add_argument("--minutes", type=float, default=20.0, help="a run's cap, should the budget take longer")
     parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--eval-split", choices=["test", "validation"], default="test",
+                        help="the held-out set: `validation` to choose settings or a task (its own results file)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the current results file's runs of other seeds or arms (same episode budget and "
                         "held-out size), so that seeds can be run one sitting at a time")
@@ -222,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         for arm in rotated:
             console.log(f"run {len(runs) + 1} of {total}")
             runs.append(run_arm(arm, seed, args.episodes, args.minutes, args.eval_size,
-                                OUT_DIR / NAME / f"{arm}-seed{seed}"))
+                                OUT_DIR / NAME / f"{arm}-seed{seed}", args.eval_split))
     console.print(f"results: {report(args, kept + runs, started)}")
 
 

@@ -67,7 +67,7 @@ from bench.common import (
 from bench.learning_speed_report import ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
 from tracetrain.config import TrainConfig
 from tracetrain.demo import arithmetic
-from tracetrain.demo.run import AGENT, DEMO_TRAINING, _wait_healthy, _write_config
+from tracetrain.demo.run import AGENTS, DEMO_TRAINING, _wait_healthy, _write_config
 from tracetrain.engines.vllm_server import die_with_parent, find_vllm_python
 
 HEADING = "Learning speed: tracetrain vs TRL GRPOTrainer"
@@ -174,7 +174,8 @@ def _arm_clock() -> Callable[[], float]:
 
 
 def _gateway_eval(url: str, n: int, split: str, out: Path) -> dict[str, Any]:
-    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--split", split, "--out", str(out)],
+    subprocess.run([sys.executable, "-m", AGENTS["arithmetic"], "--gateway", url, "--eval", str(n), "--split", split,
+                    "--out", str(out)],
                    check=True, capture_output=True, text=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -254,7 +255,8 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         evaluate()
         remaining = budget - clock()
         if remaining > 0:
-            cmd = [*AGENT, "--gateway", url, "--minutes", f"{remaining / 60:.4f}", "--seed", str(spec.seed),
+            cmd = [sys.executable, "-m", AGENTS["arithmetic"], "--gateway", url, "--minutes", f"{remaining / 60:.4f}",
+                   "--seed", str(spec.seed),
                    "--group-size", str(GROUP_SIZE), "--temperature", str(TEMPERATURE), "--log"]
             agent = subprocess.Popen(cmd, stdout=episodes_log.open("wb"), stderr=(out / "agent.log").open("wb"),
                                      preexec_fn=die_with_parent)

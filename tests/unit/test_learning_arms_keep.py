@@ -11,7 +11,7 @@ from bench.learning_arms import kept_runs
 
 def _args(results_dir: Path, **overrides: object) -> argparse.Namespace:
     values = {"arms": ["grouped", "singletons"], "seeds": [1], "episodes": 512, "eval_size": 64,
-              "results_dir": results_dir, "keep": True} | overrides
+              "results_dir": results_dir, "keep": True, "eval_split": "test"} | overrides
     return argparse.Namespace(**values)
 
 

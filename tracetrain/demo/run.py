@@ -35,8 +35,9 @@ from tracetrain.config import parse_set
 from tracetrain.demo import two_policies as two_policies_demo
 from tracetrain.engines.vllm_server import die_with_parent
 
-AGENT = [sys.executable, "-m", "tracetrain.demo.arithmetic"]
-"""The agent runs as its own process, talking HTTP to the gateway like any user's agent."""
+AGENTS = {"arithmetic": "tracetrain.demo.arithmetic", "tools": "tracetrain.demo.tool_agent"}
+"""The agent runs as its own process, talking HTTP to the gateway like any user's agent: the OpenAI SDK
+answering sums in one turn, or a LangChain agent adding numbers with a tool over several turns."""
 console = Console()
 
 DEMO_TRAINING = {
@@ -96,8 +97,15 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout
     raise SystemExit("the gateway did not become healthy in time")
 
 
-def _evaluate(url: str, n: int, out: Path, split: str) -> dict[str, Any]:
-    subprocess.run([*AGENT, "--gateway", url, "--eval", str(n), "--split", split, "--out", str(out)],
+def _agent(name: str, args: list[str]) -> list[str]:
+    """The agent's command line: its module and `args` (the flags every agent shares, then the user's)."""
+    return [sys.executable, "-m", AGENTS[name], *args]
+
+
+def _evaluate(url: str, n: int, out: Path, split: str, agent: str, agent_args: list[str]) -> dict[str, Any]:
+    """The held-out evaluation, greedy. Of the user's agent flags only the task's shape carries over."""
+    shape = [a for i, a in enumerate(agent_args) if a == "--operands" or (i and agent_args[i - 1] == "--operands")]
+    subprocess.run(_agent(agent, ["--gateway", url, "--eval", str(n), "--split", split, "--out", str(out), *shape]),
                    check=True, capture_output=True, text=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -124,11 +132,12 @@ def _progress(episodes: list[dict[str, float]], policies: list[dict[str, Any]], 
     return table
 
 
-def _train(url: str, minutes: float, seed: int, log_path: Path, agent_args: list[str]) -> list[dict[str, float]]:
+def _train(url: str, minutes: float, seed: int, log_path: Path, agent_name: str,
+           agent_args: list[str]) -> list[dict[str, float]]:
     """Run the agent for `minutes` (or until `agent_args` ends it sooner), reading its episode log and the
     trainer's versions live."""
-    agent = subprocess.Popen([*AGENT, "--gateway", url, "--minutes", str(minutes), "--seed", str(seed), "--log",
-                              *agent_args],
+    agent = subprocess.Popen(_agent(agent_name, ["--gateway", url, "--minutes", str(minutes), "--seed", str(seed),
+                                                 "--log", *agent_args]),
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     episodes: list[dict[str, float]] = []
     started = time.monotonic()
@@ -204,6 +213,13 @@ def _plot(episodes: list[dict[str, float]], before: dict[str, Any], after: dict[
     fig.savefig(path, dpi=110)
 
 
+def _operands(agent_args: list[str]) -> int:
+    """`--operands N` among the tool agent's flags, or its default."""
+    if "--operands" in agent_args and agent_args.index("--operands") + 1 < len(agent_args):
+        return int(agent_args[agent_args.index("--operands") + 1])
+    return 3
+
+
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -229,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="more flags for the agent (python -m tracetrain.demo.arithmetic --help, or "
                              "tracetrain.demo.choices with --two-policies), e.g. "
                              "'--episodes 2000 --group-size 1 --no-group --reward-delay 30 300'")
+    parser.add_argument("--agent", choices=sorted(AGENTS), default="arithmetic",
+                        help="the agent: `arithmetic` (the OpenAI SDK, one turn per sum) or `tools` (a LangChain "
+                             "agent adding numbers with a tool over several turns, rewarded at the end: "
+                             "tracetrain.demo.tool_agent)")
     parser.add_argument("--two-policies", action="store_true",
                         help="two named policies on one base model, rewarded for opposite answers to the same "
                              "questions (tracetrain.demo.two_policies) instead of the arithmetic agent")
@@ -240,7 +260,13 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as exc:
         raise SystemExit(f"tracetrain demo needs the demo extra ({exc.name} is missing): "
                          "pip install 'tracetrain[demo]'") from exc
-    from tracetrain.demo import arithmetic, choices
+    if args.agent == "tools":
+        try:
+            import langchain_openai  # noqa: F401
+        except ImportError as exc:
+            raise SystemExit("tracetrain demo --agent tools needs the langchain extra: "
+                             "pip install 'tracetrain[demo,langchain]'") from exc
+    from tracetrain.demo import arithmetic, choices, tool_agent
 
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = parse_set(args.set)
@@ -254,6 +280,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.two_policies:
         console.print(f"held-out split: {args.eval_size} of the {len(choices.TEST)} test pairs of {choices.__name__}; "
                       f"training draws from {len(choices.TRAIN)} other pairs, in either order")
+    elif args.agent == "tools":
+        count = _operands(shlex.split(args.agent_args))
+        train, validation, test = tool_agent.SPLITS[count]
+        pool = {"test": test, "validation": validation}[args.eval_split]
+        console.print(f"held-out split: {args.eval_size} of the {len(pool)} {args.eval_split} sets of {count} numbers "
+                      f"of {tool_agent.__name__}; training draws from {len(train)} other sets (split once by a fixed "
+                      "seed on the unordered set: no held-out problem is asked in training, in any order)")
     else:
         pool = {"test": arithmetic.TEST, "validation": arithmetic.VALIDATION}[args.eval_split]
         console.print(f"held-out split: {args.eval_size} of the {len(pool)} {args.eval_split} sums of "
@@ -270,12 +303,13 @@ def main(argv: list[str] | None = None) -> None:
             return
         console.print(f"[green]gateway + vLLM + trainer up[/green] after {time.monotonic() - started:.0f}s; "
                       f"held-out evaluation on {args.eval_size} sums (greedy)…")
-        before = _evaluate(url, args.eval_size, args.out / "eval_before.json", args.eval_split)
+        agent_args = shlex.split(args.agent_args)
+        before = _evaluate(url, args.eval_size, args.out / "eval_before.json", args.eval_split, args.agent, agent_args)
         console.print(f"before training: mean reward {before['mean_reward']:.3f}, exact {before['exact']:.1%}")
         train_started = time.monotonic()
-        episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl", shlex.split(args.agent_args))
+        episodes = _train(url, args.minutes, args.seed, args.out / "episodes.jsonl", args.agent, agent_args)
         train_minutes = (time.monotonic() - train_started) / 60
-        after = _evaluate(url, args.eval_size, args.out / "eval_after.json", args.eval_split)
+        after = _evaluate(url, args.eval_size, args.out / "eval_after.json", args.eval_split, args.agent, agent_args)
         versions = max(after["versions"])
         _plot(episodes, before, after, args.out / "reward.png")
         summary = Table(title="held-out evaluation (greedy, never trained on)")
@@ -290,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"total {total:.1f} min")
         (args.out / "summary.json").write_text(json.dumps({
             "seed": args.seed, "minutes": args.minutes, "eval_size": args.eval_size, "eval_split": args.eval_split,
+            "agent": args.agent,
             "before": before,
             "after": after, "versions": versions, "train_minutes": train_minutes, "total_minutes": total,
             "episodes": len(episodes), "versions_per_minute": versions / train_minutes,

@@ -1,0 +1,38 @@
+"""The multi-turn demo's held-out sets are disjoint from training by construction (tracetrain.demo.tool_agent)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("langchain_openai", reason="the langchain extra: bash scripts/setup.sh")
+
+from tracetrain.demo import arithmetic, tool_agent  # noqa: E402
+
+
+@pytest.mark.parametrize("count", sorted(tool_agent.SPLITS))
+def test_no_held_out_set_is_asked_in_training_in_any_order(count: int) -> None:
+    train, validation, test = tool_agent.SPLITS[count]
+    as_sets = [{tuple(sorted(p)) for p in part} for part in (train, validation, test)]
+    assert not (as_sets[0] & as_sets[1]) and not (as_sets[0] & as_sets[2]) and not (as_sets[1] & as_sets[2])
+    rng = random.Random(0)
+    for _ in range(500):
+        operands, group = tool_agent.make_problem(rng, count)
+        assert len(operands) == count and tuple(sorted(operands)) in as_sets[0]
+        assert group == "tools-" + "-".join(map(str, operands))
+    for split, held in (("validation", as_sets[1]), ("test", as_sets[2])):
+        problems = tool_agent.held_out(len(held), count, split)
+        assert {tuple(sorted(p)) for p in problems} == held and problems == tool_agent.held_out(len(held), count, split)
+
+
+def test_two_operands_are_the_arithmetic_demos_split() -> None:
+    assert tool_agent.SPLITS[2] == (list(arithmetic.TRAIN), list(arithmetic.VALIDATION), list(arithmetic.TEST))
+    assert [len(part) for part in tool_agent.SPLITS[3]][1:] == [64, 96]
+
+
+def test_success_is_the_first_number_of_the_answer() -> None:
+    assert tool_agent.success("44", 44) == 1.0
+    assert tool_agent.success("The total is 44.", 44) == 1.0
+    assert tool_agent.success("12 + 32 = 44", 44) == 0.0
+    assert tool_agent.success("", 44) == 0.0

@@ -22,6 +22,10 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
 - `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
   trains those all-equal groups against the running baseline (`train.flat_groups=baseline`) instead of
   setting them aside, and `hard+singletons` sends it one attempt at a time;
+- `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
+  where a step's time goes: through disk (how full weights were published before they went from memory),
+  and in `async` mode with each publish on a thread of its own while the next step trains
+  (`train.publish_overlap`);
 - `multi-turn`: another task and agent (`tracetrain demo --agent tools`): a LangChain agent adds three
   numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
   its held-out set is its own, so compare its gain, not its level, with the others.
@@ -85,6 +89,10 @@ ARMS = {
                          ("--reward", "exact"), ("train.flat_groups=baseline",)),
     "hard+singletons": Arm("exact answers only, one attempt per problem",
                            ("--reward", "exact", "--group-size", "1", "--no-group")),
+    "grouped+disk": Arm("the demo's traffic; full weights published through disk, as before they went from memory",
+                        train=("train.weight_transfer=disk",)),
+    "grouped+overlap": Arm("the demo's traffic; async mode, each publish overlapping the next step",
+                           train=("train.mode=async", "train.publish_overlap=true")),
     "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
                       "at the end", ("--operands", "3"), demo=("--agent", "tools")),
     "multi-turn-2": Arm("LangChain tool agent: 2 numbers added in 1 forced tool call, then the answer; one reward "

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,8 @@ def _train(url: str, minutes: float, seed: int, log_path: Path, agent_name: str,
 def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """How much of what the agents generated the trainer learned from: episodes rewarded, sessions
     trained on, and sessions set aside by reason, summed over every version's step figures; and where a
-    step's time went, each part's mean over the versions."""
+    step's time went, each part's mean over the versions (`first_call`: from a version's publish to the first
+    call it served)."""
     listing = httpx.get(f"{url}/v1/policies", timeout=30).json()
     policies = listing["data"]
     set_aside: dict[str, int] = {}
@@ -174,6 +176,9 @@ def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]
     for policy in policies:
         for part, seconds in policy.get("metrics", {}).get("time_s", {}).items():
             parts.setdefault(part, []).append(seconds)
+        if policy.get("first_call_at") and policy.get("published_at"):  # the last part: the version's first reply
+            waited = datetime.fromisoformat(policy["first_call_at"]) - datetime.fromisoformat(policy["published_at"])
+            parts.setdefault("first_call", []).append(waited.total_seconds())
     return {"rewarded_episodes": sum(1 for e in episodes if e.get("posted", True)), "trained_sessions": trained,
             "set_aside": set_aside, "trained_share": trained / len(episodes) if episodes else 0.0,
             "left_in_store": listing["sessions"],
@@ -288,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"of {tool_agent.__name__}; training draws from {len(train)} other sets (split once by a fixed "
                       "seed on the unordered set: no held-out problem is asked in training, in any order)")
     else:
-        pool = {"test": arithmetic.TEST, "validation": arithmetic.VALIDATION}[args.eval_split]
-        console.print(f"held-out split: {args.eval_size} of the {len(pool)} {args.eval_split} sums of "
+        sums = {"test": arithmetic.TEST, "validation": arithmetic.VALIDATION}[args.eval_split]
+        console.print(f"held-out split: {args.eval_size} of the {len(sums)} {args.eval_split} sums of "
                       f"{arithmetic.__name__}; training draws from {len(arithmetic.TRAIN)} other pairs (split once by "
                       "a fixed seed on the unordered pair {a, b}: no held-out sum is asked in training, either way)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that `finally` stops the gateway and vLLM

@@ -28,7 +28,9 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
   (`train.publish_overlap`);
 - `multi-turn`: another task and agent (`tracetrain demo --agent tools`): a LangChain agent adds three
   numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
-  its held-out set is its own, so compare its gain, not its level, with the others.
+  its held-out set is its own, so compare its gain, not its level, with the others. `multi-turn-2` adds
+  two numbers in two turns; the `-correct` variants pay only a right first number, no partial credit.
+  Which of them is the multi-turn arm was chosen on the validation split (`learning_arms_validation.md`).
 
 Per arm: held-out before and after (mean and min-max over seeds), episodes generated and rewarded,
 the share of generated episodes the trainer trained on, and what it set aside by reason. Results:
@@ -94,9 +96,13 @@ ARMS = {
     "grouped+overlap": Arm("the demo's traffic; async mode, each publish overlapping the next step",
                            train=("train.mode=async", "train.publish_overlap=true")),
     "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
-                      "at the end", ("--operands", "3"), demo=("--agent", "tools")),
+                      "at the end, partial credit", ("--operands", "3"), demo=("--agent", "tools")),
     "multi-turn-2": Arm("LangChain tool agent: 2 numbers added in 1 forced tool call, then the answer; one reward "
-                        "at the end", ("--operands", "2"), demo=("--agent", "tools")),
+                        "at the end, partial credit", ("--operands", "2"), demo=("--agent", "tools")),
+    "multi-turn-correct": Arm("as multi-turn, paid only when the answer's first number is the total",
+                              ("--operands", "3", "--reward", "correct"), demo=("--agent", "tools")),
+    "multi-turn-2-correct": Arm("as multi-turn-2, paid only when the answer's first number is the total",
+                                ("--operands", "2", "--reward", "correct"), demo=("--agent", "tools")),
 }
 
 

@@ -31,8 +31,15 @@ def test_two_operands_are_the_arithmetic_demos_split() -> None:
     assert [len(part) for part in tool_agent.SPLITS[3]][1:] == [64, 96]
 
 
-def test_success_is_the_first_number_of_the_answer() -> None:
-    assert tool_agent.success("44", 44) == 1.0
-    assert tool_agent.success("The total is 44.", 44) == 1.0
-    assert tool_agent.success("12 + 32 = 44", 44) == 0.0
-    assert tool_agent.success("", 44) == 0.0
+def test_correct_is_the_first_number_of_the_answer() -> None:
+    assert tool_agent.correct("44", 44) == 1.0
+    assert tool_agent.correct("The total is 44.", 44) == 1.0
+    assert tool_agent.correct("12 + 32 = 44", 44) == 0.0
+    assert tool_agent.correct("", 44) == 0.0
+
+
+def test_partial_reward_pays_in_full_only_a_bare_total() -> None:
+    partial = tool_agent.REWARDS["partial"]
+    assert partial("44", 44) == 1.0
+    assert partial("<tool_response>\n44", 44) == 0.5  # right, but wrapped in the template's markup
+    assert 0.0 < partial("40", 44) < 0.5 and partial("", 44) == 0.0

@@ -8,9 +8,11 @@ An episode asks "Add up 12, 7 and 25." with one tool, `add(a, b)`. Every turn bu
 call (`tool_choice="required"`: the gateway constrains the call's JSON, the model chooses the arguments);
 the tool runs on whatever the model passed, and its result goes back as a tool message; the last turn
 answers in text (`tool_choice="none"`). With `--operands 3` that is three turns, with 2 two. One reward
-per episode, posted after it ends: 1 when the answer's first number is the total, else 0. Success needs
-every turn right (arguments copied wrongly in the first turn make every later sum wrong), so credit for
-the answer must reach the first turn's tokens.
+per episode, posted after it ends, scored on the answer alone: with `--reward partial` (the default) as the
+arithmetic demo scores it, 1 for a reply that is just the total and up to 0.5 for how close its first
+number is; with `--reward correct`, 1 when the first number is the total, else 0. Either way the answer
+depends on every turn (arguments copied wrongly in the first turn make every later sum wrong), so credit
+for the answer must reach the first turn's tokens.
 
 The agent is ordinary LangChain (`ChatOpenAI.bind_tools`, `ToolMessage`), bound to a gateway session by
 its base URL (`tracetrain.adapters.langchain`); nothing in it knows about training.
@@ -31,6 +33,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +65,7 @@ def add(a: int, b: int) -> int:
 
 def _split_triples() -> tuple[list[Operands], list[Operands], list[Operands]]:
     ops = arithmetic.OPERANDS
-    triples = [(a, b, c) for a in ops for b in ops if a <= b for c in ops if b <= c]
+    triples: list[Operands] = [(a, b, c) for a in ops for b in ops if a <= b for c in ops if b <= c]
     random.Random(SPLIT_SEED).shuffle(triples)
     test, validation = triples[:TEST_SIZE], triples[TEST_SIZE:TEST_SIZE + VALIDATION_SIZE]
     return sorted(triples[TEST_SIZE + VALIDATION_SIZE:]), validation, test
@@ -101,10 +104,14 @@ def held_out(n: int, count: int, split: str = "test") -> list[Operands]:
     return problems
 
 
-def success(reply: str, total: int) -> float:
+def correct(reply: str, total: int) -> float:
     """1 when the reply's first number is the total, else 0."""
     numbers = re.findall(r"-?\d+", reply)
     return 1.0 if numbers and int(numbers[0]) == total else 0.0
+
+
+REWARDS: dict[str, Callable[[str, int], float]] = {"partial": arithmetic.score, "correct": correct}
+"""`--reward`: how an episode's answer is scored against the total."""
 
 
 async def episode(session: LangChainSession, model: str, operands: Operands, temperature: float,
@@ -157,7 +164,7 @@ async def train_episodes(args: argparse.Namespace) -> None:
                 print(f"episode {session.session_id} failed: {exc}", file=sys.stderr, flush=True)
                 await session.aclose()
                 return
-        reward = success(reply, sum(operands))
+        reward = REWARDS[args.reward](reply, sum(operands))
         if plan.post:
             task = asyncio.create_task(post_reward(session, plan.reward(reward), plan.delay_s))
             pending.add(task)
@@ -199,13 +206,15 @@ async def evaluate(args: argparse.Namespace) -> None:
         async with limit, LangChainSession(args.gateway, session_id=f"tools-eval-{uuid.uuid4().hex[:12]}",
                                     api_key=args.api_key) as session:
             reply, _ = await episode(session, args.model, operands, 0.0, bypass)
-            return success(reply, sum(operands)), await served_version(session), reply
+            return REWARDS[args.reward](reply, sum(operands)), await served_version(session), reply
 
     results = await asyncio.gather(*(one(p) for p in problems))
     rewards = [r for r, _, _ in results]
     replies = [reply.strip() for _, _, reply in results]
+    right = [correct(reply, sum(p)) for p, (_, _, reply) in zip(problems, results, strict=True)]
     summary = {"mean_reward": sum(rewards) / len(rewards), "n": len(rewards),
-               "exact": sum(r == 1.0 for r in rewards) / len(rewards),
+               "exact": sum(r == 1.0 for r in rewards) / len(rewards), "correct": sum(right) / len(right),
+               "reward": args.reward,
                "versions": sorted({v for _, v, _ in results}), "operands": args.operands,
                "distinct_replies": len(set(replies)), "replies": replies}
     print(json.dumps({k: v for k, v in summary.items() if k != "replies"}), flush=True)
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--operands", type=int, choices=sorted(SPLITS), default=3,
                         help="numbers per problem: one forced tool call per number after the first, then the answer")
+    parser.add_argument("--reward", choices=sorted(REWARDS), default="partial",
+                        help="partial credit for a close answer (default), or 1 only when its first number is right")
     parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
     parser.add_argument("--group-size", type=int, default=8)

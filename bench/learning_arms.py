@@ -202,6 +202,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
              "the agent logs the true reward of every episode; the trainer sees only what was posted (flipped, "
              "late or not at all)",
              f"plot: `{plot.name}`"]
+    notes += [f"{r['arm']} seed {r['seed']}: {r['note']}" for r in runs if r.get("note")]
     sittings = sorted({(r["provenance"]["started_utc"][:10], r["provenance"]["git_sha"][:12]) for r in runs
                        if "provenance" in r})
     if len(sittings) > 1:

@@ -60,6 +60,7 @@ def test_held_out_evaluation_posts_nothing(vllm_gateway: RunningGateway, tmp_pat
     summary = json.loads(out.read_text())
     assert summary["n"] == 3 and summary["versions"] == [0] and summary["operands"] == 2
     assert 0.0 <= summary["mean_reward"] <= 1.0 and len(summary["replies"]) == 3
+    assert summary["reward"] == "partial" and 0.0 <= summary["tools_reached_total"] <= 1.0
     with httpx.Client(base_url=vllm_gateway.url, timeout=60) as client:
         listed = client.get("/v1/sessions", params={"limit": 50}).json()["data"]
     assert len([s for s in listed if s["id"].startswith("tools-eval-")]) == 3

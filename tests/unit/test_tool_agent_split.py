@@ -1,4 +1,5 @@
-"""The multi-turn demo's held-out sets are disjoint from training by construction (tracetrain.demo.tool_agent)."""
+"""The multi-turn demo (tracetrain.demo.tool_agent): held-out sets disjoint from training by construction, and
+how an episode is scored."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 import pytest
 
 pytest.importorskip("langchain_openai", reason="the langchain extra: bash scripts/setup.sh")
+
+from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
 
 from tracetrain.demo import arithmetic, tool_agent  # noqa: E402
 
@@ -43,3 +46,11 @@ def test_partial_reward_pays_in_full_only_a_bare_total() -> None:
     assert partial("44", 44) == 1.0
     assert partial("<tool_response>\n44", 44) == 0.5  # right, but wrapped in the template's markup
     assert 0.0 < partial("40", 44) < 0.5 and partial("", 44) == 0.0
+
+
+def test_the_tool_turns_reached_the_total_when_the_last_result_is_it() -> None:
+    asked = [HumanMessage("Add up 12, 7 and 25.")]
+    results = [ToolMessage(str(n), tool_call_id=str(i)) for i, n in enumerate((19, 44, 44, 45))]
+    assert tool_agent.tools_reached([*asked, *results[:2]], 44)
+    assert not tool_agent.tools_reached([*asked, *results[2:]], 44)  # right once, then wrong
+    assert not tool_agent.tools_reached(asked, 44)  # no tool ran: a cut call

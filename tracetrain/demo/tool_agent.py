@@ -110,6 +110,13 @@ def correct(reply: str, total: int) -> float:
     return 1.0 if numbers and int(numbers[0]) == total else 0.0
 
 
+def tools_reached(conversation: list[BaseMessage], total: int) -> bool:
+    """Whether the tool turns got the total: the last tool result is it, so the answer had only to copy it.
+    Held apart from the answer's score, it shows which turns an episode got right."""
+    results = [m for m in conversation if isinstance(m, ToolMessage)]
+    return bool(results) and str(results[-1].content).strip() == str(total)
+
+
 REWARDS: dict[str, Callable[[str, int], float]] = {"partial": arithmetic.score, "correct": correct}
 """`--reward`: how an episode's answer is scored against the total."""
 
@@ -202,10 +209,13 @@ async def evaluate(args: argparse.Namespace) -> None:
     limit = asyncio.Semaphore(args.concurrency)
     bypass = {"X-Admission": "bypass"}  # evaluation is not training work: admission must not hold it
 
+    reached: list[bool] = []
+
     async def one(operands: Operands) -> tuple[float, int, str]:
         async with limit, LangChainSession(args.gateway, session_id=f"tools-eval-{uuid.uuid4().hex[:12]}",
                                     api_key=args.api_key) as session:
-            reply, _ = await episode(session, args.model, operands, 0.0, bypass)
+            reply, conversation = await episode(session, args.model, operands, 0.0, bypass)
+            reached.append(tools_reached(conversation, sum(operands)))
             return REWARDS[args.reward](reply, sum(operands)), await served_version(session), reply
 
     results = await asyncio.gather(*(one(p) for p in problems))
@@ -214,6 +224,7 @@ async def evaluate(args: argparse.Namespace) -> None:
     right = [correct(reply, sum(p)) for p, (_, _, reply) in zip(problems, results, strict=True)]
     summary = {"mean_reward": sum(rewards) / len(rewards), "n": len(rewards),
                "exact": sum(r == 1.0 for r in rewards) / len(rewards), "correct": sum(right) / len(right),
+               "tools_reached_total": sum(reached) / len(reached),
                "reward": args.reward,
                "versions": sorted({v for _, v, _ in results}), "operands": args.operands,
                "distinct_replies": len(set(replies)), "replies": replies}

@@ -137,10 +137,11 @@ class TrainConfig(BaseModel):
     weight_transfer: Literal["auto", "disk", "shm", "ipc"] = "auto"
     """How full weights (`publish: reload`) reach vLLM. `disk`: vLLM reads the checkpoint. `shm`: sent from
     the trainer's memory through a file in /dev/shm, for vLLM on CPU (needs tracetrain installed beside vLLM:
-    its plugin adds the backend). `ipc`: sent by CUDA IPC, trainer and vLLM on one GPU. The checkpoint is
-    written either way, and a reload from it is the fallback when a transfer fails (engines/weight_transfer.py).
-    `auto`: `shm` or `ipc` where it applies (`serve --train`, the local backend, servers started here, one
-    gateway process, vLLM on the CPU or on the trainer's own GPU), else `disk`."""
+    its plugin adds the backend; the fsdp backend gathers the weights from its workers through Ray's object
+    store first). `ipc`: sent by CUDA IPC, trainer and vLLM on one GPU (the local backend only). The checkpoint
+    is written either way, and a reload from it is the fallback when a transfer fails
+    (engines/weight_transfer.py). `auto`: where it applies (`serve --train`, servers started here, one gateway
+    process), `shm` for vLLM on the CPU and `ipc` for vLLM on the local backend's own GPU; else `disk`."""
     seed: int = 0
     """Seed for the trainer's randomness."""
     backend: Literal["auto", "local", "fsdp"] = "auto"
@@ -194,6 +195,9 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train.workers={self.workers} needs train.backend fsdp (or auto); local is one process")
         if self.uses_fsdp and self.algorithm != "rl":
             raise ValueError(f"train.algorithm {self.algorithm} runs on the local backend only (fsdp trains rl)")
+        if self.weight_transfer == "ipc" and self.uses_fsdp:
+            raise ValueError("train.weight_transfer=ipc sends CUDA tensors held by the trainer's own process, and "
+                             "fsdp's are on its Ray workers: use shm (vLLM on the CPU) or disk")
         if self.ray_address is not None and not self.uses_fsdp:
             raise ValueError("train.ray_address places fsdp workers: set train.backend=fsdp or train.workers > 1")
         if not 1 <= self.min_sessions <= self.batch_sessions:
@@ -862,12 +866,13 @@ class Config(BaseSettings):
         if chosen != "auto":
             return chosen
         applies = (training_here and self.engine.kind == "vllm" and self.publish_mode() == "reload"
-                   and not self.train.uses_fsdp and not self.engine.urls and self.gateway.workers == 1)
+                   and not self.engine.urls and self.gateway.workers == 1)
         if not applies:
             return "disk"
         if not plan.engine:
             return "shm"
-        return "ipc" if plan.engine == plan.trainer and len(plan.engine) == 1 else "disk"
+        one_gpu = plan.engine == plan.trainer and len(plan.engine) == 1
+        return "ipc" if one_gpu and not self.train.uses_fsdp else "disk"
 
     @property
     def admission_limit(self) -> int:

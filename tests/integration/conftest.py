@@ -119,6 +119,23 @@ def vllm_server(request: pytest.FixtureRequest, smollm2_path: Path,
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def restore_base_weights(vllm_server: RunningVLLM) -> Iterator[None]:
+    """The server is shared with other test modules: a module that publishes into it puts its original
+    weights back afterwards."""
+    from tracetrain.engines.vllm_server import http_client
+
+    yield
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_server.model_dir)}}
+    with http_client(vllm_server.url, timeout=300) as client:
+        client.post("/pause", params={"mode": "wait"})
+        try:
+            assert client.post("/collective_rpc", json=body).status_code == 200
+            client.post("/reset_prefix_cache")
+        finally:
+            client.post("/resume")
+
+
 @pytest.fixture
 def vllm_gateway(vllm_server: RunningVLLM, smollm2_path: Path, tmp_path: Path) -> Iterator[RunningGateway]:
     """A real gateway over HTTP in front of the shared vLLM server, recording what the engine sees."""

@@ -61,8 +61,13 @@ def test_one_fsdp_step_on_two_workers_equals_one_local_step(local_ray: None, tin
     try:
         fsdp_figures = fsdp.step(StepBatch(samples, advantages))
         actual = fsdp.weights()
+        served = dict(fsdp.served_weights(merged=lora))  # what a publish from memory sends the engine
     finally:
         fsdp.close()
+    expected_served = dict(local.served_weights(merged=lora))
+    assert set(served) == set(expected_served)
+    print(f"max |fsdp - local| of the served weights: {max_difference(expected_served, served):.3g}")
+    assert max_difference(expected_served, served) < WEIGHT_TOLERANCE
     assert fsdp_figures["micro_batches"] > 1 and len(set(fsdp_figures["worker_tokens"])) > 1
     assert_same_step(local_figures, fsdp_figures)
     moved = max(float((expected[k] - before[k]).abs().max()) for k in before)

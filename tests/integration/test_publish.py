@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -190,20 +190,6 @@ async def engine(vllm_server: Any) -> AsyncIterator[VLLMEngine]:
     await engine.close()
 
 
-@pytest.fixture(scope="module")
-def restore_base_weights(vllm_server: Any) -> Iterator[None]:
-    """The server is shared with other test modules: put its original weights back afterwards."""
-    yield
-    body = {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_server.model_dir)}}
-    with http_client(vllm_server.url, timeout=300) as client:
-        client.post("/pause", params={"mode": "wait"})
-        try:
-            assert client.post("/collective_rpc", json=body).status_code == 200
-            client.post("/reset_prefix_cache")
-        finally:
-            client.post("/resume")
-
-
 async def vllm_prompt_logprobs(engine: VLLMEngine, ids: list[int], start: int) -> list[float]:
     """vLLM's logprob of each token of `ids` from `start` on, scored by the adapter the engine serves."""
     body = {"model": engine.served_model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
@@ -380,6 +366,43 @@ async def test_full_weights_sent_from_memory_serve_exactly_the_checkpoint(
     assert publisher.last_route == "memory" and engine.version == 8
     await assert_matches(engine, model, prompt, await generate(engine, prompt))
     assert not list(Path("/dev/shm").glob("tracetrain-weights-*"))
+
+
+@vllm
+async def test_fsdp_weights_sent_from_memory_serve_exactly_its_checkpoint(
+    engine, vllm_server, prompt, smollm2_path, tmp_path, restore_base_weights
+):
+    """The fsdp backend (2 Ray workers on this CPU, LoRA merged as the demo publishes it) after a step: its
+    weights are gathered from the workers into this process and sent to vLLM through /dev/shm. They are the
+    checkpoint's, tensor for tensor and name for name, and vLLM then serves that checkpoint's logprobs."""
+    ray = pytest.importorskip("ray", reason="the distributed extra (Ray) is not installed")
+    from tests.support.fsdp_step import train_config, trajectories
+    from tracetrain.trainer.backend import StepBatch
+    from tracetrain.trainer.checkpoint import MERGED_DIR
+    from tracetrain.trainer.fsdp_backend import FSDPBackend
+
+    path = tmp_path / "v000001"
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        backend = FSDPBackend(train_config(tmp_path, lora=True, workers=2, lr=1e-2), smollm2_path, None)
+        try:
+            backend.step(StepBatch(*trajectories()))
+            path.mkdir()
+            backend.save(path, merged=True)
+            weights = dict(backend.served_weights(merged=True))
+        finally:
+            backend.close()
+    finally:
+        ray.shutdown()
+    on_disk = load_file(str(path / MERGED_DIR / "model.safetensors"))
+    assert set(weights) == set(on_disk) and all(torch.equal(weights[k], on_disk[k]) for k in on_disk)
+    base = load_file(str(smollm2_path / "model.safetensors"))
+    assert any(not torch.equal(on_disk[k], base[k].to(on_disk[k].dtype)) for k in on_disk)  # the step moved them
+
+    publisher = VLLMReloadPublisher(engine, vllm_server.model_dir, transfer=SHARED_MEMORY)
+    await publisher.publish(Checkpoint(10, path / MERGED_DIR, "full", weights=lambda: weights.items()))
+    assert publisher.last_route == "memory" and engine.version == 10
+    await assert_matches(engine, load_model(path / MERGED_DIR), prompt, await generate(engine, prompt))
 
 
 @vllm

@@ -155,6 +155,12 @@ def test_full_weights_go_from_memory_only_where_the_trainer_and_vllm_share_this_
     assert resolved("lora=true", "train.publish=lora") == "disk"  # adapters are loaded, not weights
     assert resolved("train.weight_transfer=disk") == "disk"
     assert resolved("engine.urls=http://127.0.0.1:9", "train.weight_transfer=shm") == "shm"  # as told
+    assert resolved("train.backend=fsdp", "train.workers=2") == "shm"  # gathered from the workers first
+
+
+def test_cuda_ipc_is_refused_for_weights_that_fsdp_workers_hold() -> None:
+    with pytest.raises(ValueError, match="weight_transfer=ipc.*fsdp"):
+        Config(**parse_set(["train.backend=fsdp", "train.weight_transfer=ipc"]))
 
 
 def _autos(model: Any, prefix: str = "") -> list[str]:

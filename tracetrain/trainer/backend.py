@@ -49,8 +49,9 @@ class TrainerBackend(Protocol):
 
 @runtime_checkable
 class WeightsInMemory(Protocol):
-    """A backend whose weights live in this process (the local backend): a publisher here can send them into
-    the engine from memory instead of having it read the checkpoint (engines/weight_transfer.py)."""
+    """A backend that can hand its weights to this process without disk (the local backend holds them; the
+    fsdp backend gathers them from its workers): a publisher here can send them into the engine from memory
+    instead of having it read the checkpoint (engines/weight_transfer.py)."""
 
     def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights the engine serves, named as in the checkpoint's model files: the model's, or with

@@ -87,11 +87,20 @@ def save_weights(model: Any, path: Path, state_dict: dict[str, Any], cfg: TrainC
     selected = {"selected_adapters": [adapter]} if adapter is not None else {}
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True, **selected)
     if merged:
-        base = model.get_base_model()
-        weights = merge_lora(state_dict, cfg.lora_alpha / cfg.lora_rank)
-        if getattr(base.config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
-        base.save_pretrained(path / MERGED_DIR, state_dict=weights, safe_serialization=True)
+        weights = served_weights(model, state_dict, cfg, merged=True)
+        model.get_base_model().save_pretrained(path / MERGED_DIR, state_dict=weights, safe_serialization=True)
+
+
+def served_weights(model: Any, state_dict: dict[str, Any], cfg: TrainConfig, *,
+                   merged: bool) -> dict[str, torch.Tensor]:
+    """The weights the engine serves, from a complete (gathered) state dict and named as in the model files:
+    the model's own, or with `merged` the adapter folded into the base weights."""
+    if not merged:
+        return dict(state_dict)
+    weights = merge_lora(state_dict, cfg.lora_alpha / cfg.lora_rank)
+    if getattr(model.get_base_model().config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # stored once, as the embedding, like save_pretrained does
+    return weights
 
 
 def save_adapter(model: Any, path: Path, adapter: str) -> None:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.trainer.backend import StepBatch
@@ -160,6 +163,12 @@ class FSDPBackend:
 
     def save(self, path: Path, *, merged: bool) -> None:
         _ray().get([w.save.remote(path, merged) for w in self.workers])
+
+    def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        """The engine's weights, gathered by the workers and brought into this process through Ray's object
+        store (memory; over the network from another node), for a publisher that sends them from memory."""
+        gathered: dict[str, torch.Tensor] = _ray().get([w.served_weights.remote(merged) for w in self.workers])[0]
+        return gathered.items()
 
     def logprobs(self, token_ids: list[int]) -> list[float]:
         ray = _ray()

@@ -115,6 +115,15 @@ class FSDPWorker:
             checkpoint.save_weights(self.model, path, weights, self.cfg, merged=merged)
         dist.barrier()
 
+    def served_weights(self, merged: bool) -> dict[str, torch.Tensor] | None:
+        """The weights the engine serves (as `save` writes them), gathered in full on rank 0; None on the other
+        ranks, which take part in the gather."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=options)
+        return checkpoint.served_weights(self.model, weights, self.cfg, merged=merged) if self.rank == 0 else None
+
     def logprobs(self, token_ids: list[int]) -> list[float]:
         """Every worker runs the forward (it gathers sharded parameters collectively); all get the same."""
         return token_logprobs(self.policy, token_ids)

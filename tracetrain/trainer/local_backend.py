@@ -118,13 +118,7 @@ class LocalBackend:
         checkpoint.save_sharded(path / checkpoint.SHARDED_DIR, self.model, self.optimizer)
 
     def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
-        state = self.model.state_dict()
-        if not merged:
-            return state.items()
-        weights = checkpoint.merge_lora(state, self.cfg.lora_alpha / self.cfg.lora_rank)
-        if getattr(self.model.get_base_model().config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)  # as save_weights writes it: the embedding serves as the head
-        return weights.items()
+        return checkpoint.served_weights(self.model, self.model.state_dict(), self.cfg, merged=merged).items()
 
     def logprobs(self, token_ids: list[int]) -> list[float]:
         with autocast(self.cfg, self.device):

@@ -30,7 +30,10 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
   numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
   its held-out set is its own, so compare its gain, not its level, with the others. `multi-turn-2` adds
   two numbers in two turns; the `-correct` variants pay only a right first number, no partial credit.
-  Which of them is the multi-turn arm was chosen on the validation split (`learning_arms_validation.md`).
+  Which of them is the multi-turn arm was chosen on the validation split (`learning_arms_validation.md`,
+  seed 100) by a rule fixed before the last candidate ran: the candidate with the most tool turns whose
+  held-out share of right answers (the first number is the total, whatever the reward paid) rose by at
+  least 0.10; more turns first, because credit then has further to travel.
 
 Per arm: held-out before and after (mean and min-max over seeds), episodes generated and rewarded,
 the share of generated episodes the trainer trained on, and what it set aside by reason. Results:

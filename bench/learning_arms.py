@@ -101,12 +101,15 @@ ARMS = {
     "grouped+overlap": Arm("the demo's traffic; async mode, each publish overlapping the next step",
                            train=("train.mode=async", "train.publish_overlap=true")),
     "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
-                      "at the end, partial credit", ("--operands", "3"), demo=("--agent", "tools")),
+                      "at the end, partial credit", ("--operands", "3", "--reward", "partial"),
+                      demo=("--agent", "tools")),
     "multi-turn-2": Arm("LangChain tool agent: 2 numbers added in 1 forced tool call, then the answer; one reward "
-                        "at the end, partial credit", ("--operands", "2"), demo=("--agent", "tools")),
+                        "at the end, partial credit", ("--operands", "2", "--reward", "partial"),
+                        demo=("--agent", "tools")),
     "multi-turn-correct": Arm("as multi-turn, paid only when the answer's first number is the total",
                               ("--operands", "3", "--reward", "correct"), demo=("--agent", "tools")),
-    "multi-turn-2-correct": Arm("as multi-turn-2, paid only when the answer's first number is the total",
+    "multi-turn-2-correct": Arm("as multi-turn-2, paid only when the answer's first number is the total (the tool "
+                                "agent's defaults)",
                                 ("--operands", "2", "--reward", "correct"), demo=("--agent", "tools")),
 }
 

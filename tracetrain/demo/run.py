@@ -222,7 +222,9 @@ def _operands(agent_args: list[str]) -> int:
     """`--operands N` among the tool agent's flags, or its default."""
     if "--operands" in agent_args and agent_args.index("--operands") + 1 < len(agent_args):
         return int(agent_args[agent_args.index("--operands") + 1])
-    return 3
+    from tracetrain.demo.tool_agent import DEFAULT_OPERANDS
+
+    return DEFAULT_OPERANDS
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

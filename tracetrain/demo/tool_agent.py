@@ -7,12 +7,17 @@ turns and is rewarded once, at the end.
 An episode asks "Add up 12, 7 and 25." with one tool, `add(a, b)`. Every turn but the last is a forced tool
 call (`tool_choice="required"`: the gateway constrains the call's JSON, the model chooses the arguments);
 the tool runs on whatever the model passed, and its result goes back as a tool message; the last turn
-answers in text (`tool_choice="none"`). With `--operands 3` that is three turns, with 2 two. One reward
-per episode, posted after it ends, scored on the answer alone: with `--reward partial` (the default) as the
-arithmetic demo scores it, 1 for a reply that is just the total and up to 0.5 for how close its first
-number is; with `--reward correct`, 1 when the first number is the total, else 0. Either way the answer
-depends on every turn (arguments copied wrongly in the first turn make every later sum wrong), so credit
-for the answer must reach the first turn's tokens.
+answers in text (`tool_choice="none"`). With `--operands 2` (the default) that is two turns, with 3 three.
+One reward per episode, posted after it ends, scored on the answer alone: with `--reward correct` (the
+default), 1 when its first number is the total, else 0; with `--reward partial`, as the arithmetic demo
+scores it, 1 for a reply that is just the total and up to 0.5 for how close its first number is. Either
+way the answer depends on every turn (arguments copied wrongly in the first turn make every later sum
+wrong), so credit for the answer must reach the first turn's tokens. The defaults are the task chosen on
+the validation split (bench/learning_arms.py): the one with the most turns whose right answers rose.
+
+The held-out evaluation always scores with partial credit, as the arithmetic demo's does, whatever the
+training reward, and reports beside it the share of right answers (`correct`) and of episodes whose tool
+turns reached the total (`tools_reached_total`).
 
 The agent is ordinary LangChain (`ChatOpenAI.bind_tools`, `ToolMessage`), bound to a gateway session by
 its base URL (`tracetrain.adapters.langchain`); nothing in it knows about training.
@@ -54,6 +59,8 @@ ANSWER_TOKENS = 8
 SPLIT_SEED = 20_261_127
 """Fixed forever for three operands (two use `arithmetic`'s split): it decides which sets are held out."""
 TEST_SIZE, VALIDATION_SIZE = 96, 64
+DEFAULT_OPERANDS = 2
+"""`--operands` unless given: the task chosen on the validation split (see the module's docstring)."""
 Operands = tuple[int, ...]
 
 
@@ -216,7 +223,7 @@ async def evaluate(args: argparse.Namespace) -> None:
                                     api_key=args.api_key) as session:
             reply, conversation = await episode(session, args.model, operands, 0.0, bypass)
             reached.append(tools_reached(conversation, sum(operands)))
-            return REWARDS[args.reward](reply, sum(operands)), await served_version(session), reply
+            return arithmetic.score(reply, sum(operands)), await served_version(session), reply
 
     results = await asyncio.gather(*(one(p) for p in problems))
     rewards = [r for r, _, _ in results]
@@ -225,7 +232,7 @@ async def evaluate(args: argparse.Namespace) -> None:
     summary = {"mean_reward": sum(rewards) / len(rewards), "n": len(rewards),
                "exact": sum(r == 1.0 for r in rewards) / len(rewards), "correct": sum(right) / len(right),
                "tools_reached_total": sum(reached) / len(reached),
-               "reward": args.reward,
+               "reward": "partial",
                "versions": sorted({v for _, v, _ in results}), "operands": args.operands,
                "distinct_replies": len(set(replies)), "replies": replies}
     print(json.dumps({k: v for k, v in summary.items() if k != "replies"}), flush=True)
@@ -238,10 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gateway", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--api-key", default="none")
-    parser.add_argument("--operands", type=int, choices=sorted(SPLITS), default=3,
+    parser.add_argument("--operands", type=int, choices=sorted(SPLITS), default=DEFAULT_OPERANDS,
                         help="numbers per problem: one forced tool call per number after the first, then the answer")
-    parser.add_argument("--reward", choices=sorted(REWARDS), default="partial",
-                        help="partial credit for a close answer (default), or 1 only when its first number is right")
+    parser.add_argument("--reward", choices=sorted(REWARDS), default="correct",
+                        help="1 only when the answer's first number is right (default), or partial credit for a close "
+                        "answer (training only: the evaluation always gives partial credit)")
     parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
     parser.add_argument("--group-size", type=int, default=8)

@@ -114,6 +114,11 @@ ARMS = {
 }
 
 
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct")
+"""Multi-turn tasks tried on the validation split and not chosen: run only when named."""
+DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
+
+
 def results_name(split: str) -> str:
     """The test split's results are the benchmark's; runs on the validation split (choosing settings or a
     task) go to a file of their own, so that nothing chosen on them is ever read off the test split."""
@@ -265,7 +270,8 @@ def _plot(runs: list[dict[str, Any]], arms: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning_arms", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
+                        help=f"default: all but the multi-turn candidates not chosen ({', '.join(CANDIDATES)})")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--episodes", type=int, default=512, help="episode budget of every run")
     parser.add_argument("--minutes", type=float, default=20.0, help="a run's cap, should the budget take longer")

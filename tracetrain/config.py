@@ -140,8 +140,10 @@ class TrainConfig(BaseModel):
     its plugin adds the backend; the fsdp backend gathers the weights from its workers through Ray's object
     store first). `ipc`: sent by CUDA IPC, trainer and vLLM on one GPU (the local backend only). The checkpoint
     is written either way, and a reload from it is the fallback when a transfer fails
-    (engines/weight_transfer.py). `auto`: where it applies (`serve --train`, servers started here, one gateway
-    process), `shm` for vLLM on the CPU and `ipc` for vLLM on the local backend's own GPU; else `disk`."""
+    (engines/weight_transfer.py). `auto`: `ipc` where it applies (`serve --train` with the local backend,
+    servers started here, one gateway process, vLLM on the trainer's own GPU), else `disk`: with vLLM on
+    the CPU the reload reads the just-written checkpoint from the page cache and was faster than `shm` in
+    the demo (bench/results/learning_arms.md, arms grouped and grouped+disk)."""
     seed: int = 0
     """Seed for the trainer's randomness."""
     backend: Literal["auto", "local", "fsdp"] = "auto"
@@ -869,9 +871,9 @@ class Config(BaseSettings):
                    and not self.engine.urls and self.gateway.workers == 1)
         if not applies:
             return "disk"
-        if not plan.engine:
-            return "shm"
-        one_gpu = plan.engine == plan.trainer and len(plan.engine) == 1
+        # vLLM on the CPU: `disk`. The checkpoint is written anyway and vLLM reads it back from the page
+        # cache, while `shm` merges and copies the weights once more (bench/results/learning_arms.md).
+        one_gpu = bool(plan.engine) and plan.engine == plan.trainer and len(plan.engine) == 1
         return "ipc" if one_gpu and not self.train.uses_fsdp else "disk"
 
     @property

@@ -143,19 +143,30 @@ def test_admission_auto_holds_agents_only_for_an_async_trainer_in_this_gateway()
 
 
 def test_full_weights_go_from_memory_only_where_the_trainer_and_vllm_share_this_process_and_machine() -> None:
-    """`train.weight_transfer: auto` on this machine (no GPU): shared memory for `serve --train` with the
-    local backend and servers started here; otherwise the checkpoint on disk."""
+    """`train.weight_transfer: auto` on this machine (no GPU): the checkpoint on disk, which vLLM on the CPU
+    reads back faster than shared memory brings it; `shm` only when asked for."""
     def resolved(*settings: str, training_here: bool = True) -> str:
         config = Config(**parse_set(["engine.kind=vllm", *settings]))
         return config.settled(training_here=training_here).train.weight_transfer
 
-    assert resolved() == "shm"
+    assert resolved() == "disk"
     assert resolved(training_here=False) == "disk"  # `serve`: the trainer is another process
     assert resolved("engine.urls=http://127.0.0.1:9") == "disk"  # vLLM started by someone else
     assert resolved("lora=true", "train.publish=lora") == "disk"  # adapters are loaded, not weights
     assert resolved("train.weight_transfer=disk") == "disk"
     assert resolved("engine.urls=http://127.0.0.1:9", "train.weight_transfer=shm") == "shm"  # as told
-    assert resolved("train.backend=fsdp", "train.workers=2") == "shm"  # gathered from the workers first
+    assert resolved("train.backend=fsdp", "train.workers=2", "train.weight_transfer=shm") == "shm"
+
+
+def test_cuda_ipc_is_chosen_when_the_local_trainer_and_vllm_share_one_gpu() -> None:
+    from tracetrain.engines.gpus import GPUPlan
+
+    def chosen(plan: GPUPlan, *settings: str) -> str:
+        return Config(**parse_set(["engine.kind=vllm", *settings])).memory_transfer(plan, training_here=True)
+
+    assert chosen(GPUPlan(engine=[0], trainer=[0], memory_share=0.3, sleep=True)) == "ipc"
+    assert chosen(GPUPlan(engine=[0], trainer=[1], memory_share=0.9, sleep=False)) == "disk"  # two GPUs
+    assert chosen(GPUPlan(engine=[0], trainer=[0], memory_share=0.3, sleep=True), "train.backend=fsdp") == "disk"
 
 
 def test_cuda_ipc_is_refused_for_weights_that_fsdp_workers_hold() -> None:

@@ -25,7 +25,6 @@ from sqlmodel import Session
 from tests.integration.conftest import RunningVLLM
 from tests.integration.test_publish import (
     load_model,
-    restore_base_weights,  # noqa: F401  (a fixture: puts vLLM's weights back)
     save_full,
     save_lora,
 )

@@ -119,21 +119,26 @@ def vllm_server(request: pytest.FixtureRequest, smollm2_path: Path,
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def restore_base_weights(vllm_server: RunningVLLM) -> Iterator[None]:
-    """The server is shared with other test modules: a module that publishes into it puts its original
-    weights back afterwards."""
+def put_base_weights_back(server: RunningVLLM) -> None:
+    """Reload the shared server's own weights (paused, so no request sees half of them)."""
     from tracetrain.engines.vllm_server import http_client
 
-    yield
-    body = {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_server.model_dir)}}
-    with http_client(vllm_server.url, timeout=300) as client:
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(server.model_dir)}}
+    with http_client(server.url, timeout=300) as client:
         client.post("/pause", params={"mode": "wait"})
         try:
             assert client.post("/collective_rpc", json=body).status_code == 200
             client.post("/reset_prefix_cache")
         finally:
             client.post("/resume")
+
+
+@pytest.fixture(scope="module")
+def restore_base_weights(vllm_server: RunningVLLM) -> Iterator[None]:
+    """The server is shared with other test modules: a module that publishes into it puts its original
+    weights back afterwards."""
+    yield
+    put_base_weights_back(vllm_server)
 
 
 @pytest.fixture

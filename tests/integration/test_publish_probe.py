@@ -26,6 +26,7 @@ pytest.importorskip("peft", reason=PEFT_MISSING)
 from peft import PeftModel  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from tests.integration.conftest import put_base_weights_back  # noqa: E402
 from tests.integration.test_publish import load_model, save_full, save_lora  # noqa: E402
 from tracetrain.engines.probe import PROBE_TEXT, TOLERANCE, Probe, ProbeCheck, read_probe, write_probe  # noqa: E402
 from tracetrain.engines.publishing import Checkpoint, PublishError  # noqa: E402
@@ -156,11 +157,4 @@ async def test_a_full_reload_that_serves_other_weights_is_taken_out(
         assert engine.version == UNKNOWN_WEIGHTS and replicas.router.up == [False]
         assert read_probe(path) is not None
     finally:  # the server is shared with other modules: its own weights back
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_server.model_dir)}}
-        with http_client(vllm_server.url, timeout=300) as client:
-            client.post("/pause", params={"mode": "wait"})
-            try:
-                assert client.post("/collective_rpc", json=body).status_code == 200
-                client.post("/reset_prefix_cache")
-            finally:
-                client.post("/resume")
+        put_base_weights_back(vllm_server)

@@ -226,20 +226,19 @@ async def evaluate(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(summary))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def agent_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags every demo agent shares (this one and tracetrain.demo.tool_agent): where the gateway is, when
+    to stop, how its traffic is shaped (groups; rewards late, for a share, flipped), its sampling, and the
+    held-out evaluation. The agent adds its task's own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gateway", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    parser.add_argument("--until-version", type=int, default=None, metavar="V",
-                        help="stop after the first group with an episode served by policy version V or later")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--no-group", action="store_true",
                         help="name no group in the URL (the gateway groups repeats of a prompt itself)")
-    parser.add_argument("--reward", choices=["partial", "exact"], default="partial",
-                        help="partial credit for a close number (default), or only an exact answer")
     parser.add_argument("--reward-delay", type=float, nargs=2, default=(0.0, 0.0), metavar=("LO", "HI"),
                         help="post each reward this many seconds after its episode, drawn uniformly")
     parser.add_argument("--reward-share", type=float, default=1.0, help="share of episodes that get a reward")
@@ -252,11 +251,25 @@ def main() -> None:
     parser.add_argument("--split", choices=["test", "validation"], default="test",
                         help="with --eval: which held-out set")
     parser.add_argument("--out", help="with --eval: write the summary here")
-    args = parser.parse_args()
+    return parser
+
+
+def check_agent_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse shares outside [0, 1] and a delay range upside down, as argparse refuses a bad flag."""
     if not 0.0 <= args.reward_share <= 1.0 or not 0.0 <= args.reward_flip <= 1.0:
         parser.error("--reward-share and --reward-flip are shares between 0 and 1")
     if not 0.0 <= args.reward_delay[0] <= args.reward_delay[1]:
         parser.error("--reward-delay takes LO HI with 0 <= LO <= HI")
+
+
+def main() -> None:
+    parser = agent_parser(__doc__)
+    parser.add_argument("--until-version", type=int, default=None, metavar="V",
+                        help="stop after the first group with an episode served by policy version V or later")
+    parser.add_argument("--reward", choices=["partial", "exact"], default="partial",
+                        help="partial credit for a close number (default), or only an exact answer")
+    args = parser.parse_args()
+    check_agent_arguments(parser, args)
     if args.episodes is None and args.minutes is None and args.until_version is None and not args.eval:
         args.episodes = 64
     asyncio.run(evaluate(args) if args.eval else train_episodes(args))

@@ -241,37 +241,14 @@ async def evaluate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gateway", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--api-key", default="none")
+    parser = arithmetic.agent_parser(__doc__)
     parser.add_argument("--operands", type=int, choices=sorted(SPLITS), default=DEFAULT_OPERANDS,
                         help="numbers per problem: one forced tool call per number after the first, then the answer")
     parser.add_argument("--reward", choices=sorted(REWARDS), default="correct",
                         help="1 only when the answer's first number is right (default), or partial credit for a close "
                         "answer (training only: the evaluation always gives partial credit)")
-    parser.add_argument("--episodes", type=int, default=None, help="stop after this many episodes")
-    parser.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--no-group", action="store_true",
-                        help="name no group in the URL (the gateway groups repeats of a prompt itself)")
-    parser.add_argument("--reward-delay", type=float, nargs=2, default=(0.0, 0.0), metavar=("LO", "HI"),
-                        help="post each reward this many seconds after its episode, drawn uniformly")
-    parser.add_argument("--reward-share", type=float, default=1.0, help="share of episodes that get a reward")
-    parser.add_argument("--reward-flip", type=float, default=0.0, help="share of posted rewards flipped")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log", action="store_true", help="print one JSON line per episode")
-    parser.add_argument("--eval", type=int, default=0, help="evaluate on this many held-out problems instead")
-    parser.add_argument("--split", choices=["test", "validation"], default="test",
-                        help="with --eval: which held-out set")
-    parser.add_argument("--out", help="with --eval: write the summary here")
     args = parser.parse_args(argv)
-    if not 0.0 <= args.reward_share <= 1.0 or not 0.0 <= args.reward_flip <= 1.0:
-        parser.error("--reward-share and --reward-flip are shares between 0 and 1")
-    if not 0.0 <= args.reward_delay[0] <= args.reward_delay[1]:
-        parser.error("--reward-delay takes LO HI with 0 <= LO <= HI")
+    arithmetic.check_agent_arguments(parser, args)
     if args.episodes is None and args.minutes is None and not args.eval:
         args.episodes = 64
     asyncio.run(evaluate(args) if args.eval else train_episodes(args))

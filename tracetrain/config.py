@@ -121,6 +121,12 @@ class TrainConfig(BaseModel):
     """Where versions are written (a directory each: weights or adapter, optimizer, trainer state)."""
     keep_checkpoints: int = 3
     """Older checkpoint directories are deleted (their store rows stay)."""
+    state_in_background: bool = True
+    """Write each version's resume state (trainable weights and optimizer moments, `sharded/`; nothing serves
+    it) from a copy, in the background while the next step gathers and trains, instead of before the version
+    is recorded and published. A trainer stopped in that window resumes from the version's weights with fresh
+    optimizer moments. The local backend only: the fsdp backend's workers always write it first (a write
+    thread's collectives would race the next step's)."""
     publish_overlap: bool = False
     """Publish each version on a thread of its own while the next step gathers and trains, instead of before
     it: the publish (loading into the engine, the probe) leaves the step's critical path. The next version's

@@ -107,6 +107,7 @@ def test_a_checkpoint_from_two_workers_resumes_on_one(local_ray: None, tiny_mode
         two.step(StepBatch(*first))
         path.mkdir()
         two.save(path, merged=lora)
+        two.save_state(path / checkpoint.SHARDED_DIR)
         saved = two.weights()
         two.step(StepBatch(*second))
         after_two = two.weights()

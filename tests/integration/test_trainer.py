@@ -15,7 +15,7 @@ from tracetrain.config import TrainConfig
 from tracetrain.store import leases
 from tracetrain.store.db import open_db
 from tracetrain.store.models import AgentSession, Policy
-from tracetrain.trainer.checkpoint import build_model
+from tracetrain.trainer.checkpoint import SHARDED_DIR, STATE_STAGING, build_model, load_sharded
 from tracetrain.trainer.data import collate, load_samples
 from tracetrain.trainer.devices import autocast
 from tracetrain.trainer.loop import Trainer
@@ -99,7 +99,13 @@ def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_pat
     assert first.step_once() and first.version == 1
     written = sorted(p.name for p in (tmp_path / "ckpt" / "v000001").iterdir())
     assert ("adapter_model.safetensors" in written) == lora and ("model.safetensors" in written) != lora
-    weights = {k: v.clone() for k, v in first.backend.model.state_dict().items()}  # type: ignore[attr-defined]
+    model = first.backend.model  # type: ignore[attr-defined]
+    first.close()  # its state may still be being written in the background
+    saved = _sharded_model_keys(tmp_path / "ckpt" / "v000001" / SHARDED_DIR)
+    assert {name for name, p in model.named_parameters() if p.requires_grad} <= saved
+    # the frozen base stays out, its tied head too: it comes from the base model on load
+    assert not saved & {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     again = _trainer(tiny_model_path, tmp_path, db_url, lora=lora, lora_rank=8)
     assert again.version == 1 and again.counts["steps"] == 1
@@ -111,6 +117,94 @@ def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_pat
             add_session(s, f"b{i}", f"h{i // 2}", float(i % 2), version=1)
         s.commit()
     assert again.step_once() and again.version == 2
+
+
+def _add_batch(db_url: str, prefix: str, version: int) -> None:
+    with Session(open_db(db_url)) as s:
+        for i in range(4):
+            add_session(s, f"{prefix}{i}", f"{prefix}-g{i // 2}", float(i % 2), version=version)
+        s.commit()
+
+
+def _trainable(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_versions_resume_state_holds_its_own_weights_though_the_next_step_ran(tiny_model_path: Path,
+                                                                                tmp_path: Path) -> None:
+    """The sharded state is written in the background while the next step trains: it must hold the weights
+    and moments of the version it belongs to, not the next step's."""
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    _add_batch(db_url, "a", 0)
+    trainer = _trainer(tiny_model_path, tmp_path, db_url, lora=True, lora_rank=8, keep_checkpoints=5)
+    assert trainer.step_once()
+    model = trainer.backend.model  # type: ignore[attr-defined]
+    first = _trainable(model)
+    _add_batch(db_url, "b", 1)
+    assert trainer.step_once() and trainer.version == 2
+    second = _trainable(model)
+    trainer.close()
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+
+    cfg = TrainConfig(lora=True, lora_rank=8)
+    fresh = build_model(tiny_model_path, cfg)
+    optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+    load_sharded(tmp_path / "ckpt" / "v000001" / SHARDED_DIR, fresh, optimizer)
+    assert all(torch.equal(v, _trainable(fresh)[k]) for k, v in first.items())
+    assert not list((tmp_path / "ckpt").glob("*.tmp")), "staging directories are renamed into place"
+
+
+def test_a_version_without_its_resume_state_resumes_from_its_weights(tiny_model_path: Path, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer stopped after its version's directory was in place but before the sharded state was: the
+    next trainer goes on from that version's weights with fresh optimizer moments, and says so."""
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    _add_batch(db_url, "a", 0)
+    first = _trainer(tiny_model_path, tmp_path, db_url, lora=True, lora_rank=8)
+    assert first.step_once()
+    weights = _trainable(first.backend.model)  # type: ignore[attr-defined]
+    first.close()
+    version = tmp_path / "ckpt" / "v000001"
+    # as the stop leaves it: the state half written beside the version, none inside it
+    (version / SHARDED_DIR).rename(version.with_name(version.name + STATE_STAGING))
+
+    again = _trainer(tiny_model_path, tmp_path, db_url, lora=True, lora_rank=8)
+    assert again.version == 1
+    assert all(torch.equal(v, _trainable(again.backend.model)[k]) for k, v in weights.items())  # type: ignore[attr-defined]
+    assert not again.backend.optimizer.state  # type: ignore[attr-defined]
+    assert "fresh optimizer moments" in caplog.text
+    _add_batch(db_url, "b", 1)
+    assert again.step_once() and again.version == 2
+    again.close()
+    assert (tmp_path / "ckpt" / "v000002" / SHARDED_DIR).is_dir()
+
+
+def _sharded_model_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def test_a_sharded_state_that_holds_the_frozen_head_still_loads(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Versions written before the frozen tied head was left out of the sharded state hold it; they resume."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    cfg = TrainConfig(lora=True, lora_rank=8)
+    model = build_model(tiny_model_path, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sum(p.sum() for p in model.parameters() if p.requires_grad).backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    assert "base_model.model.lm_head.weight" in model_state  # what older versions wrote
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path / "old"), no_dist=True)
+
+    fresh = build_model(tiny_model_path, cfg)
+    fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+    load_sharded(tmp_path / "old", fresh, fresh_optimizer)
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
+    assert len(fresh_optimizer.state) == len(optimizer.state)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [

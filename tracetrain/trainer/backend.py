@@ -11,6 +11,7 @@ Both backends run the same step (trainer/step.py) with the same verl losses:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -35,7 +36,12 @@ class TrainerBackend(Protocol):
         ...
 
     def save(self, path: Path, *, merged: bool) -> None:
-        """Write the engine's files and the sharded training state into the directory `path`."""
+        """Write the engine's files into the directory `path`."""
+        ...
+
+    def save_state(self, path: Path) -> Future[Any] | None:
+        """Write the sharded training state (trainable weights, optimizer) into the directory `path`: at once
+        (None), or from a copy taken now by a background write, done when the returned future is."""
         ...
 
     def logprobs(self, token_ids: list[int]) -> list[float]:

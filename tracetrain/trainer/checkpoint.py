@@ -4,8 +4,15 @@
 adapter for LoRA, and with `merged/` that adapter merged into the base weights), `sharded/` with the
 trainable weights and the optimizer in `torch.distributed.checkpoint` form, which any number of
 workers can load (it is resharded on load), and `trainer_state.pt` with the loop's own state (running
-baseline, counts, version). A backend writes the first two (trainer/local_backend.py,
-trainer/fsdp_worker.py); the loop writes the rest and renames the directory into place.
+baseline, counts, version). A backend writes the engine's files and the sharded state
+(trainer/local_backend.py, trainer/fsdp_worker.py); the loop writes the rest and renames the directory
+into place.
+
+The sharded state is only for resuming: nothing serves it. So it is written after the directory is in
+place, by `write_state`, and the local backend writes it in the background from a snapshot, while the
+next step gathers and trains. It goes into a staging directory beside the version's and is renamed into
+it once complete, so a version holds its whole resume state or none; a trainer stopped in between resumes
+from the version's engine files with fresh optimizer moments.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import json
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,6 +34,9 @@ from tracetrain.config import TrainConfig
 
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "sharded"
+SINGLE_PROCESS_WARNING = "torch.distributed is .*single process"
+STATE_STAGING = ".sharded.tmp"
+"""Suffix of the directory beside a version's (`v000007.sharded.tmp`) that its sharded state is written into."""
 MERGED_DIR = "merged"
 """Inside a LoRA checkpoint: the adapter merged into the base weights, a complete model for engines
 that serve full weights faster than adapters (vLLM on CPU: about twice as fast per token)."""
@@ -135,19 +146,57 @@ def merge_lora(state_dict: dict[str, Any], scale: float) -> dict[str, torch.Tens
 def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Trainable weights and optimizer state, each worker writing its own shards (no gathering)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    model_state, optim_state = _trainable_state(model, optimizer)
     with _quiet_single_process():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=_single_process())
+
+
+def start_sharded_save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Future[Any]:
+    """`save_sharded` from a copy of the state taken now, written by a background thread
+    (`torch.distributed.checkpoint.async_save`): the caller may change the weights as soon as it returns.
+    The local backend's only: its single process has no collectives for the thread to race with."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = _trainable_state(model, optimizer)
+    _quiet_single_process_everywhere()
+    with _quiet_single_process():
+        pending = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=True)
+    return cast("Future[Any]", pending)
+
+
+def write_state(version: Path, start: Callable[[Path], Future[Any] | None]) -> Future[None]:
+    """Have `start` write a version's sharded state into the staging directory beside `version`, at once
+    (it returns None) or in the background (a future), and rename it to `version / SHARDED_DIR` when
+    complete. The returned future is done once it is there, or carries the write's failure."""
+    staging = version.with_name(version.name + STATE_STAGING)
+    shutil.rmtree(staging, ignore_errors=True)
+    done: Future[None] = Future()
+
+    def finish(written: Future[Any] | None) -> None:
+        try:
+            if written is not None:
+                written.result()
+            staging.rename(version / SHARDED_DIR)
+        except BaseException as exc:  # surfaced by whoever waits on `done`
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    pending = start(staging)
+    if pending is None:
+        finish(None)
+    else:
+        pending.add_done_callback(finish)
+    return done
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load `save_sharded`'s state into this worker's shards, whatever the worker count that wrote it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    model_state, optim_state = _trainable_state(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     # fails on any trainable tensor the checkpoint lacks
     with _quiet_single_process():
@@ -155,6 +204,21 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     # not strict: the frozen base (LoRA) is not in the checkpoint; it comes from the base model
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Any]:
+    """The model's trainable tensors and the optimizer's state, as `torch.distributed.checkpoint` saves them.
+    `ignore_frozen_params` alone keeps a frozen tied head: `lm_head.weight` shares the embedding's tensor, so
+    it is no parameter name of its own and torch cannot tell it is frozen. Under LoRA on a tied model (the
+    SmolLM2 family) that wrote the whole embedding into every version's state, several times the adapter and
+    its optimizer state; the head is the base model's and comes from it on load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    # every name of a frozen tensor, tied ones included; compiled layers' names as the state dict spells them
+    frozen = {name.replace("_orig_mod.", "") for name, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
+    return {name: t for name, t in model_state.items() if name not in frozen}, optim_state
 
 
 ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -193,8 +257,15 @@ def _single_process() -> bool:
 def _quiet_single_process() -> Iterator[None]:
     """torch warns on every single-process save and load, which is what the local backend means to do."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
+
+
+@functools.cache
+def _quiet_single_process_everywhere() -> None:
+    """The same warning from the background write's thread, where `_quiet_single_process` does not reach
+    (warning filters are the process's, and a context that set them is left before the thread warns)."""
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 
 
 def load_state(path: Path) -> dict[str, Any]:
@@ -208,3 +279,4 @@ def _prune(root: Path, keep: int, protect: Path | None = None) -> None:
     for old in versions[:-keep] if keep > 0 else []:
         if protect is None or old.resolve() != protect.resolve():
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.with_name(old.name + STATE_STAGING), ignore_errors=True)  # left by a stopped trainer

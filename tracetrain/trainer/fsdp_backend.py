@@ -164,6 +164,9 @@ class FSDPBackend:
     def save(self, path: Path, *, merged: bool) -> None:
         _ray().get([w.save.remote(path, merged) for w in self.workers])
 
+    def save_state(self, path: Path) -> None:
+        _ray().get([w.save_state.remote(path) for w in self.workers])
+
     def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
         """The engine's weights, gathered by the workers and brought into this process through Ray's object
         store (memory; over the network from another node), for a publisher that sends them from memory."""

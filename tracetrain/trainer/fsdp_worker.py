@@ -9,6 +9,7 @@ The step itself is trainer/step.py's, on this worker's share of the batch.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -23,6 +24,8 @@ from tracetrain.trainer import checkpoint, memory
 from tracetrain.trainer.data import Sample
 from tracetrain.trainer.devices import compile_layers, resolve_device
 from tracetrain.trainer.step import BatchShare, SampledLogits, StepInputs, token_logprobs, train_step
+
+log = logging.getLogger(__name__)
 
 
 class FSDPWorker:
@@ -62,7 +65,10 @@ class FSDPWorker:
                                 rank=self.rank, world_size=self.world)
         joined = time.perf_counter()
         torch.manual_seed(cfg.seed)  # LoRA's random initialisation must be the same on every worker
-        self.model = checkpoint.build_model(base_dir, cfg).to(self.device)
+        sharded = resume / checkpoint.SHARDED_DIR if resume is not None else None
+        # a version without its sharded state (its trainer stopped before writing it): its engine's files
+        from_files = resume if sharded is not None and not sharded.is_dir() else None
+        self.model = checkpoint.build_model(base_dir, cfg, from_files).to(self.device)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.torch_compile:
@@ -72,8 +78,10 @@ class FSDPWorker:
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
         self.reference = self._reference(base_dir) if cfg.kl_coef > 0 else None
-        if resume is not None:
-            checkpoint.load_sharded(resume / checkpoint.SHARDED_DIR, self.model, self.optimizer)
+        if sharded is not None and sharded.is_dir():
+            checkpoint.load_sharded(sharded, self.model, self.optimizer)
+        elif from_files is not None and self.rank == 0:
+            log.warning("%s holds no optimizer state: its weights go on with fresh optimizer moments", resume)
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         return {"process_group_s": joined - started, "setup_s": time.perf_counter() - started,
                 "node_id": ray.get_runtime_context().get_node_id(), **memory.state_bytes(self.model, self.optimizer)}
@@ -102,12 +110,17 @@ class FSDPWorker:
                              self.reference, share)
         return {**figures, "memory": memory.figures(self.model, self.optimizer, self.device)}
 
+    def save_state(self, path: Path) -> None:
+        """Every worker writes its shards of the trainable weights and the optimizer (never gathered). Not in
+        the background as the local backend does: a write thread's collectives would race the next step's on
+        the same process group."""
+        checkpoint.save_sharded(path, self.model, self.optimizer)
+
     def save(self, path: Path, merged: bool) -> None:
-        """Every worker writes its shards; the engine's files are gathered on rank 0 (the model only, and
-        for an unmerged adapter only the adapter; the optimizer state is never gathered)."""
+        """The engine's files, gathered on rank 0: the model only, and for an unmerged adapter only the
+        adapter."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        checkpoint.save_sharded(path / checkpoint.SHARDED_DIR, self.model, self.optimizer)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                    ignore_frozen_params=self.cfg.lora and not merged)
         weights = get_model_state_dict(self.model, options=options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,16 @@ class LocalBackend:
             self.model: Any = checkpoint.build_model(base_dir, cfg).to(self.device)
             self.optimizer = self._optimizer()
             checkpoint.load_sharded(sharded, self.model, self.optimizer)
-        else:  # a fresh start, or a checkpoint from before sharded state existed
+        else:  # a fresh start, or a version without its sharded state
             self.model = checkpoint.build_model(base_dir, cfg, resume).to(self.device)
             self.optimizer = self._optimizer()
             if resume is not None:
-                self.optimizer.load_state_dict(checkpoint.load_state(resume)["optimizer"])
+                state = checkpoint.load_state(resume)
+                if "optimizer" in state:  # written before the sharded state existed
+                    self.optimizer.load_state_dict(state["optimizer"])
+                else:  # the trainer stopped before the version's state was written (trainer/checkpoint.py)
+                    log.warning("%s holds no optimizer state: its weights go on with fresh optimizer moments",
+                                resume)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.torch_compile:
@@ -115,7 +121,14 @@ class LocalBackend:
                                     adapter=DEFAULT_POLICY if len(self.lines) > 1 else None)
         else:
             checkpoint.save_adapter(self.model, path, adapter_name(self.active))
-        checkpoint.save_sharded(path / checkpoint.SHARDED_DIR, self.model, self.optimizer)
+
+    def save_state(self, path: Path) -> Future[Any] | None:
+        """In the background unless configured otherwise: nothing serves this state, so the next step need
+        not wait for it."""
+        if not self.cfg.state_in_background:
+            checkpoint.save_sharded(path, self.model, self.optimizer)
+            return None
+        return checkpoint.start_sharded_save(path, self.model, self.optimizer)
 
     def served_weights(self, *, merged: bool) -> Iterable[tuple[str, torch.Tensor]]:
         return checkpoint.served_weights(self.model, self.model.state_dict(), self.cfg, merged=merged).items()

@@ -106,6 +106,8 @@ class Trainer:
         """Named lines this trainer cannot train (said once in the log)."""
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-publish")
         self._publishing: Future[None] | None = None
+        self._state_write: Future[None] | None = None
+        """The newest version's sharded state being written (trainer/checkpoint.py `write_state`)."""
         """The version being published while the next step trains (`train.publish_overlap`)."""
         torch.manual_seed(cfg.seed)
         self.lines: dict[str, Line] = {DEFAULT_POLICY: self._open_line(DEFAULT_POLICY, cfg, cfg.checkpoint_dir)}
@@ -240,6 +242,7 @@ class Trainer:
                 log.warning("version %d of line %r was rolled back: training continues from %s", line.version, name,
                             f"version {incumbent.version}" if incumbent else "the base model")
                 # Every line is reloaded from its own checkpoint (the others' newest): one base model holds them all.
+                self.wait_for_state()
                 self.backend.close()
                 line.baseline = RunningBaseline(line.cfg.baseline_momentum)
                 line.resume = resume
@@ -327,13 +330,26 @@ class Trainer:
             served = tmp / checkpoint.MERGED_DIR if merged else tmp
             write_probe(served, Probe(self.probe_ids, self.backend.logprobs(self.probe_ids), self.cfg.dtype))
 
-        return checkpoint.save_version(line.root, line.version, write, self.base_dir, state,
+        self.wait_for_state()
+        path = checkpoint.save_version(line.root, line.version, write, self.base_dir, state,
                                        self.cfg.keep_checkpoints, merged=merged, protect=line.resume)
+        # only to resume from: the local backend writes it while the next step gathers and trains
+        self._state_write = checkpoint.write_state(path, self.backend.save_state)
+        return path
+
+    def wait_for_state(self) -> None:
+        """Block until the newest version's sharded state is in place; raise if writing it failed."""
+        if self._state_write is not None:
+            pending, self._state_write = self._state_write, None
+            pending.result()
 
     def close(self) -> None:
         self.wait_for_publish()
         self._publisher.shutdown()
-        self.backend.close()
+        try:
+            self.wait_for_state()
+        finally:
+            self.backend.close()
 
     @property
     def serves_merged(self) -> bool:

@@ -162,15 +162,13 @@ def _train(url: str, minutes: float, seed: int, log_path: Path, agent_name: str,
 
 def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """How much of what the agents generated the trainer learned from: episodes rewarded, sessions
-    trained on, and sessions set aside by reason, summed over every version's step figures; and where a
-    step's time went, each part's mean over the versions (`first_call`: from a version's publish to the first
-    call it served)."""
+    trained on (summed over every version's step figures), and sessions set aside by reason, as the store
+    holds them (a version's figures count only what its own step set aside, not what was set aside after
+    the last version); and where a step's time went, each part's mean over the versions (`first_call`:
+    from a version's publish to the first call it served)."""
     listing = httpx.get(f"{url}/v1/policies", timeout=30).json()
     policies = listing["data"]
-    set_aside: dict[str, int] = {}
-    for policy in policies:
-        for reason, n in policy.get("metrics", {}).get("set_aside", {}).items():
-            set_aside[reason] = set_aside.get(reason, 0) + n
+    set_aside = listing["sessions"]["set_aside"]
     trained = sum(p.get("metrics", {}).get("sessions", 0) for p in policies)
     parts: dict[str, list[float]] = {}
     for policy in policies:

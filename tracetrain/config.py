@@ -124,8 +124,9 @@ class TrainConfig(BaseModel):
     state_in_background: bool = True
     """Write each version's resume state (trainable weights and optimizer moments, `sharded/`; nothing serves
     it) from a copy, in the background while the next step gathers and trains, instead of before the version
-    is recorded and published. A trainer stopped in that window resumes from the version's weights with fresh
-    optimizer moments. The local backend only: the fsdp backend's workers always write it first (a write
+    is recorded and published. The copy takes host memory the size of that state (for full fine-tuning, the
+    weights and two moments per weight). A trainer stopped in that window resumes from the version's weights
+    with fresh optimizer moments. The local backend only: the fsdp backend's workers always write it first (a write
     thread's collectives would race the next step's)."""
     publish_overlap: bool = False
     """Publish each version on a thread of its own while the next step gathers and trains, instead of before

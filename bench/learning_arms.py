@@ -145,6 +145,7 @@ def run_arm(arm: str, seed: int, episodes: int, minutes: float, eval_size: int, 
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # GBs per run; the store, logs and summary stay
     info = provenance(started)
     summary |= {"arm": arm, "wall_minutes": (time.monotonic() - began) / 60, "episode_budget": episodes,
                 "eval_size": eval_size, "eval_split": split, "provenance": {k: info[k] for k in RUN_PROVENANCE}}

@@ -160,8 +160,7 @@ def start_sharded_save(path: Path, model: torch.nn.Module, optimizer: torch.opti
 
     model_state, optim_state = _trainable_state(model, optimizer)
     _quiet_single_process_everywhere()
-    with _quiet_single_process():
-        pending = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=True)
+    pending = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path), no_dist=True)
     return cast("Future[Any]", pending)
 
 
@@ -261,10 +260,10 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-@functools.cache
 def _quiet_single_process_everywhere() -> None:
     """The same warning from the background write's thread, where `_quiet_single_process` does not reach
-    (warning filters are the process's, and a context that set them is left before the thread warns)."""
+    (warning filters are the process's, and a context that set them is left before the thread warns).
+    Adding the same filter again replaces it, so calling this once per write keeps one."""
     warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 
 

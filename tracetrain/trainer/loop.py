@@ -106,9 +106,9 @@ class Trainer:
         """Named lines this trainer cannot train (said once in the log)."""
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tracetrain-publish")
         self._publishing: Future[None] | None = None
+        """The version being published while the next step trains (`train.publish_overlap`)."""
         self._state_write: Future[None] | None = None
         """The newest version's sharded state being written (trainer/checkpoint.py `write_state`)."""
-        """The version being published while the next step trains (`train.publish_overlap`)."""
         torch.manual_seed(cfg.seed)
         self.lines: dict[str, Line] = {DEFAULT_POLICY: self._open_line(DEFAULT_POLICY, cfg, cfg.checkpoint_dir)}
         self.probe_ids: list[int] = probe_token_ids(AutoTokenizer.from_pretrained(str(base_dir)))

@@ -30,7 +30,7 @@ from agentscope.model import OpenAIChatModel
 from agentscope.tool import FunctionTool, ToolChunk, Toolkit
 from pydantic import Field
 
-from tests.support.recording import RecordingEngine, assert_one_exact_segment
+from tests.support.recording import RecordingEngine, assert_one_exact_segment, trained_token_count
 from tests.support.servers import RunningGateway
 from tracetrain.adapters.agentscope import AgentScopeSession, ForceToolChoice
 
@@ -151,4 +151,4 @@ def test_agentscope_search_example_records_each_episode(vllm_gateway: RunningGat
         (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
         (segment,) = trajectory["segments"]
         assert tuple(segment["token_ids"]) in produced and len(segment["call_ids"]) == len(calls)
-        assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in calls)
+        assert sum(segment["loss_mask"]) == trained_token_count(calls)

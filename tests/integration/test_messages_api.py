@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.support.recording import RecordingEngine
+from tests.support.recording import RecordingEngine, trained_token_count
 from tests.support.servers import RunningGateway
 from tests.support.tool_model import ADD_TOOL, ANSWER, GREETING, QUESTION
 
@@ -203,6 +203,6 @@ def test_anthropic_tools_example_records_each_episode_as_one_trajectory(vllm_gat
         (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
         if called:
             (segment,) = trajectory["segments"]  # the tool result extended the forced call's chain
-            assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in info["calls"])
+            assert sum(segment["loss_mask"]) == trained_token_count(info["calls"])
         for segment in trajectory["segments"]:
             assert tuple(segment["token_ids"]) in produced

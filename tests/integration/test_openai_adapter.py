@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlmodel import Session
 
-from tests.support.recording import RecordingEngine
+from tests.support.recording import RecordingEngine, trained_token_count
 from tests.support.servers import RunningGateway
 from tracetrain.adapters.openai import OpenAISession
 from tracetrain.trainer.data import load_samples
@@ -74,7 +74,7 @@ def test_text_game_records_whole_games_and_discounts_the_late_reward(vllm_gatewa
         (segment,) = trajectory["trajectories"][0]["segments"]
         assert segment["reason"] == "start" and len(segment["call_ids"]) == game["turns"]
         assert tuple(segment["token_ids"]) in produced  # the last call's prompt + sample, token for token
-        assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in info["calls"])
+        assert sum(segment["loss_mask"]) == trained_token_count(info["calls"])
         with Session(vllm_gateway.gateway.db) as db:
             (sample,) = load_samples(db, [game["session_id"]], gamma=gamma)
         assert sample.reward == pytest.approx(gamma ** (game["turns"] - 1) * game["reward"])

@@ -22,7 +22,7 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
-from tests.support.recording import RecordingEngine
+from tests.support.recording import RecordingEngine, trained_token_count
 from tests.support.servers import RunningGateway
 from tests.support.tool_model import ADD_TOOL, ANSWER, QUESTION
 
@@ -87,6 +87,6 @@ def test_agents_example_records_each_episode_as_one_trajectory(vllm_gateway: Run
         (trajectory,) = httpx.get(f"{url}/trajectory", timeout=30).json()["trajectories"]
         if called:
             (segment,) = trajectory["segments"]  # every later call extended the chain
-            assert sum(segment["loss_mask"]) == sum(c["completion_tokens"] for c in info["calls"])
+            assert sum(segment["loss_mask"]) == trained_token_count(info["calls"])
         for segment in trajectory["segments"]:
             assert tuple(segment["token_ids"]) in produced

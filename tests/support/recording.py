@@ -57,3 +57,12 @@ def assert_one_exact_segment(trajectory: dict[str, Any], generations: list[Gener
         mask[len(gen.prompt_ids): len(gen.prompt_ids) + len(gen.token_ids)] = [1] * len(gen.token_ids)
     assert segment["loss_mask"] == mask
     return segment  # type: ignore[no-any-return]
+
+
+def trained_token_count(calls: list[dict[str, Any]]) -> int:
+    """How many of the sampled tokens of `calls` (a session's calls as GET /v1/sessions/{id} gives them) a
+    trajectory's loss mask must hold: all of them but those redaction masked. A model sampling at
+    temperature may write a run of digits that reads as a card number or a key, and the default
+    `gateway.redaction: redact` keeps such tokens out of the loss by design."""
+    masked = sum(end - start for c in calls for start, end in (c["redactions"] or {}).get("completion", ()))
+    return sum(c["completion_tokens"] for c in calls) - masked

@@ -89,6 +89,10 @@ ARMS = {
     "grouped": Arm("8 attempts per problem, rewards at once (the demo)"),
     "singletons": Arm("one attempt per problem, no group named", ("--group-size", "1", "--no-group")),
     "late": Arm("rewards 30-300 s late, out of order", ("--reward-delay", "30", "300")),
+    "late+staleness4": Arm("rewards 30-300 s late, out of order; sessions up to 4 versions old trained on",
+                           ("--reward-delay", "30", "300"), ("train.max_staleness=4",)),
+    "late+staleness16": Arm("rewards 30-300 s late, out of order; sessions up to 16 versions old trained on",
+                            ("--reward-delay", "30", "300"), ("train.max_staleness=16",)),
     "sparse": Arm("25% of episodes rewarded", ("--reward-share", "0.25")),
     "noisy": Arm("20% of rewards flipped", ("--reward-flip", "0.2")),
     "hard": Arm("exact answers only", ("--reward", "exact")),
@@ -117,7 +121,7 @@ ARMS = {
 }
 
 
-CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct")
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "late+staleness16")
 """Multi-turn tasks tried on the validation split and not chosen: run only when named."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
 

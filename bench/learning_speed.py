@@ -16,13 +16,15 @@ it replaces zero-variance groups, TRL trains on them with zero advantage), LoRA 
 on all linear layers without dropout, fused AdamW, constant lr (one per arm, chosen on the validation
 split by `--select-lr`, never on the test curves), no KL, token-mean loss, grad clip 1.
 
-Arms run one at a time, each in a fresh process with its own wall-clock budget (`--minutes`) counted
-from before its process starts, so start-up is on the clock; for seed k the order of the arms is rotated
-by k. Every `--eval-every` seconds after the previous evaluation ended, an arm evaluates greedily on
+Arms run one at a time, each in a fresh process with its own budget (`--minutes`) on the arm's clock:
+counted from before its process starts, so start-up is on it, and stopped during every held-out
+evaluation, so no arm is charged for evaluating (`ArmClock`). For seed k the order of the arms is
+rotated by k. Every `--eval-every` seconds of that clock an arm evaluates greedily on
 `held_out(eval_size, "test")` (fixed, disjoint from TRAIN): tracetrain through the gateway with the
-agent's `--eval` mode while training traffic continues, TRL with HF `generate` between two steps.
+agent's `--eval` mode, the training agent stopped and the trainer idle meanwhile; TRL with HF
+`generate` between two steps.
 
-    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --minutes 8   # first: lr per arm (validation)
+    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4   # first: lr per arm, seeds 100 101 (validation)
     python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --pairings same-engine   # or only these two:
         # tracetrain + vLLM then takes the lr chosen for tracetrain + transformers (same trainer)
     python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
@@ -45,7 +47,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,7 @@ from bench.common import (
     provenance,
     run_started,
 )
-from bench.learning_speed_report import ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
+from bench.learning_speed_report import ArmClock, ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
 from tracetrain.config import TrainConfig
 from tracetrain.demo import arithmetic
 from tracetrain.demo.run import AGENTS, DEMO_TRAINING, _wait_healthy, _write_config
@@ -76,9 +78,9 @@ THRESHOLD = 0.55
 derived from an arm's result: the base model scores 0.31 on the test sums, and 0.55 is a gain a 10-minute
 demo run reaches, so both arms can be timed to it. `--threshold` overrides."""
 METRICS = {
-    "time to threshold": "seconds from the arm's start (start-up included) until an evaluation finished within "
-                         "the budget reaches the threshold; a run that never does counts as the budget in the mean "
-                         "and is reported as not reached",
+    "time to threshold": "seconds on the arm's clock (from before its processes start, start-up included, every "
+                         "held-out evaluation excluded) until an evaluation within the budget reaches the threshold; "
+                         "a run that never does counts as the budget in the mean and is reported as not reached",
     "AUC": "area under held-out reward vs time over [0, budget] divided by the budget (time-averaged held-out "
            "reward), the reward held from each evaluation to the next; before the first evaluation (the base "
            "model, taken right after start-up by every arm) the first evaluation's value; evaluations finishing "
@@ -103,8 +105,8 @@ TRL_SCALE_REWARDS = {"grpo": "group", "rloo": "none"}
 """tracetrain's (verl's) advantage estimator -> TRL's scale_rewards. grpo: (r - group mean) / group std on
 both. rloo: r - mean of the other members, which is n/(n-1) times TRL's unscaled r - group mean: the same
 direction, a constant factor that Adam's normalisation all but removes."""
-LR_SEED = 100
-"""`--select-lr` runs this seed, distinct from the measured ones."""
+LR_SEEDS = [100, 101]
+"""`--select-lr`'s seeds (every grid point runs each), distinct from the measured ones."""
 LR_FILE = OUT_DIR / "learning_speed_lr.json"
 """`--select-lr`'s output: the input of the measured runs, kept out of bench/results until they copy it."""
 TRL_VLLM_UNAVAILABLE = (
@@ -164,12 +166,6 @@ def _tag(spec: RunSpec) -> str:
     return escape(f"[{spec.arm} seed {spec.seed} lr {spec.lr:g}]")
 
 
-def _arm_clock() -> Callable[[], float]:
-    """Seconds since this call: an arm's clock, started before any of its processes."""
-    started = time.monotonic()
-    return lambda: time.monotonic() - started
-
-
 # --- tracetrain arms ---------------------------------------------------------------------------------
 
 
@@ -209,7 +205,7 @@ def _stop(process: subprocess.Popen[bytes], grace: float = 60.0) -> None:
 
 
 def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
-    clock = _arm_clock()
+    clock = ArmClock()
     arm = ARMS[spec.arm]
     overrides: dict[str, Any] = {"lr": spec.lr, "seed": spec.seed}
     if arm.engine == "transformers":
@@ -219,12 +215,10 @@ def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     return run_gateway(spec, arm.label, config, port, out, clock)
 
 
-def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: Callable[[], float],
-                drain_s: float = 0.0, batch_sessions: int = 32) -> ArmRun:
+def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: ArmClock) -> ArmRun:
     """`serve --train` with `config` on `port`, the demo agent for the rest of the budget, held-out
-    evaluations every `spec.eval_every` s; the run's evaluations, steps and what the trainer used.
-    With `drain_s`, after the budget (and its figures) the trainer may go on for up to that long,
-    with the agents stopped, until fewer than `batch_sessions` are ready: see `drain`."""
+    evaluations every `spec.eval_every` s of the arm's clock, the agent paused during each; the run's
+    evaluations, steps and what the trainer used."""
     budget = spec.minutes * 60
     url = f"http://127.0.0.1:{port}"
     log, episodes_log = out / "gateway.log", out / "episodes.jsonl"
@@ -240,10 +234,12 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         console.print(f"  up after {run.startup_s:.0f}s")
 
         def evaluate() -> None:
-            began = clock()
-            summary = _gateway_eval(url, spec.eval_size, spec.split, out / f"eval_{len(run.points):03d}.json")
+            with _agent_paused(agent, url, clock):
+                began = time.time()
+                with clock.paused():
+                    summary = _gateway_eval(url, spec.eval_size, spec.split, out / f"eval_{len(run.points):03d}.json")
             point = EvalPoint(t=clock(), reward=summary["mean_reward"], exact=summary["exact"],
-                              step=max(summary["versions"]), seconds=clock() - began,
+                              step=max(summary["versions"]), seconds=time.time() - began,
                               episodes=_count_lines(episodes_log), versions=summary["versions"])
             run.points.append(point)
             training = max(clock() - run.startup_s, 1e-9)
@@ -253,24 +249,27 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
                           f"({point.episodes / training:.2f}/s)  eval {point.seconds:.0f}s", highlight=False)
 
         evaluate()
-        remaining = budget - clock()
-        if remaining > 0:
-            cmd = [sys.executable, "-m", AGENTS["arithmetic"], "--gateway", url, "--minutes", f"{remaining / 60:.4f}",
+        if budget > clock():
+            # The agent's own clock cannot skip evaluations, so it gets no budget: it is stopped when the
+            # arm's clock runs out, mid-group if it must (TRL likewise stops at a step's end).
+            cmd = [sys.executable, "-m", AGENTS["arithmetic"], "--gateway", url, "--minutes", f"{10 * spec.minutes:g}",
                    "--seed", str(spec.seed),
                    "--group-size", str(GROUP_SIZE), "--temperature", str(TEMPERATURE), "--log"]
             agent = subprocess.Popen(cmd, stdout=episodes_log.open("wb"), stderr=(out / "agent.log").open("wb"),
                                      preexec_fn=die_with_parent)
-            while agent.poll() is None:
-                wait = run.points[-1].t + spec.eval_every - clock()
-                if wait > 0:
+            while agent.poll() is None and clock() < budget:
+                due = run.points[-1].t + spec.eval_every
+                if due > budget - spec.eval_every / 3:  # the final evaluation follows shortly instead
+                    due = budget
+                if clock() < due:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        agent.wait(timeout=wait)
-                elif budget - clock() > spec.eval_every / 3:  # else the final evaluation follows shortly
+                        agent.wait(timeout=due - clock())
+                elif due < budget:
                     evaluate()
-                else:
-                    agent.wait()
-            if agent.returncode != 0:
+            if agent.poll() is not None and agent.returncode != 0:
                 raise SystemExit(f"the agent failed:\n{(out / 'agent.log').read_text()[-3000:]}")
+            agent.terminate()
+            agent.wait()
         else:
             console.print(f"  [yellow]start-up used the whole {spec.minutes:g} min budget: no training[/yellow]")
         run.train_end_s = clock()
@@ -286,8 +285,6 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         for p in policies:
             for age, n in (p.get("metrics") or {}).get("staleness", {}).items():
                 run.staleness[age] = run.staleness.get(age, 0) + int(n)
-        if drain_s > 0:
-            drain(url, run, clock, drain_s, batch_sessions)
         run.total_s = clock()
         return run
     finally:
@@ -297,28 +294,27 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         _stop(gateway)
 
 
-def drain(url: str, run: ArmRun, clock: Callable[[], float], limit_s: float, batch_sessions: int) -> None:
-    """With the agents stopped, let the trainer consume what they finished: wait until the ready
-    sessions and those claimed by a step (a step in progress, or one waiting to fill its batch) make
-    less than a batch, for 10 s running (a group's last members may still be settling), or `limit_s`.
-    The episodes a step learns from now were generated within the budget, so `trained_after_drain /
-    episodes` is the share of generated work the trainer used."""
-    started, idle_since = clock(), None
-    while clock() - started < limit_s:
-        sessions = _policies(url).get("sessions", {})
-        idle = int(sessions.get("ready", 0)) + int(sessions.get("leased", 0)) < batch_sessions
-        idle_since = (idle_since or clock()) if idle else None
-        if idle_since is not None and clock() - idle_since >= 10:
-            break
-        time.sleep(2)
-    listing = _policies(url)
-    run.drain_s = clock() - started
-    run.trained_after_drain = sum(int(p["metrics"].get("sessions", 0))
-                                  for p in listing.get("data", []) if p.get("metrics"))
-    run.set_aside_after_drain = listing.get("sessions", {}).get("set_aside", {})
-    run.ready_after_drain = int(listing.get("sessions", {}).get("ready", 0))
-    console.print(f"  drained {run.drain_s:.0f}s: trained on {run.trained_after_drain} of {run.episodes} episodes, "
-                  f"{run.ready_after_drain} still ready, set aside {run.set_aside_after_drain}")
+@contextlib.contextmanager
+def _agent_paused(agent: subprocess.Popen[bytes] | None, url: str, clock: ArmClock,
+                  limit_s: float = 120.0) -> Iterator[None]:
+    """The training agent stopped (SIGSTOP) for the block, and the trainer idle before it starts: no
+    training step runs during an evaluation, which is off every arm's clock. Waiting for a step in
+    progress to end is training, so it stays on the clock. With the agent stopped no reward is posted,
+    so no new batch can fill; a step still finds one if a batch was already ready, hence the wait."""
+    if agent is None or agent.poll() is not None:
+        yield
+        return
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        began = clock()
+        while clock() - began < limit_s:
+            sessions = _policies(url).get("sessions", {})
+            if not int(sessions.get("leased", 0)) and int(sessions.get("ready", 0)) < BATCH:
+                break
+            time.sleep(0.5)
+        yield
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
 
 
 def _tracetrain_optimizer() -> str:
@@ -437,10 +433,11 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
     optimizers = sorted({f"{LABELS[r.arm]}: {r.optimizer}" for r in runs})
     return [
         *[f"metric '{name}': {text}" for name, text in METRICS.items()],
-        f"each run: a fresh process, {args.minutes:g} min wall-clock from before its start (start-up included), then "
-        f"a final evaluation; held-out evaluation of held_out({args.eval_size}, 'test') (fixed, disjoint from TRAIN), "
-        f"greedy, {MAX_TOKENS} answer tokens, {args.eval_every:g} s after the previous one ended, each point timed "
-        "when its evaluation finished; arms one at a time, the order rotated per seed: "
+        f"each run: a fresh process, {args.minutes:g} min on the arm's clock from before its start (start-up "
+        "included, evaluations excluded: the clock stops while an arm evaluates, and tracetrain's training agent is "
+        "stopped and its trainer idle meanwhile), then a final evaluation; held-out evaluation of "
+        f"held_out({args.eval_size}, 'test') (fixed, disjoint from TRAIN), greedy, {MAX_TOKENS} answer tokens, every "
+        f"{args.eval_every:g} s of the arm's clock; arms one at a time, the order rotated per seed: "
         + "; ".join(f"seed {s}: {', '.join(LABELS[a] for a in arms)}" for s, arms in order.items()),
         f"identical in every arm: SmolLM2-135M-Instruct float32, the agent's prompts for TRAIN problems drawn by "
         f"make_problem(random.Random(seed)) in order, its score, max {MAX_TOKENS} answer tokens, temperature "
@@ -458,11 +455,11 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"TRL + vLLM: {TRL_VLLM_UNAVAILABLE}",
         "other known differences: tracetrain's in-process transformers engine serves one request at a time (no "
         "batching) while TRL's HF generate samples a step's 32 completions in one batched call; tracetrain "
-        "evaluates through the gateway while training traffic continues (in sync mode generation, evaluation "
-        "included, waits while a batch trains) and corrects engine-vs-trainer logprob mismatch with truncated "
+        "evaluates through the gateway (its own engine, so evaluation speed differs by arm, but it is off every "
+        "clock) and corrects engine-vs-trainer logprob mismatch with truncated "
         f"importance sampling (cap {DEMO.tis_cap}); TRL evaluates between two steps with HF generate (same weights)",
-        "TRL checks the budget between steps, so its last step may end past it; the tracetrain agent starts no new "
-        "group after it",
+        "TRL checks the budget between steps, so its last step may end past it; the tracetrain agent is stopped at "
+        "the budget, mid-group if it must be",
         "numbers depend on the machine and what else runs on it (load avg per run in the last table: with 2 CPUs "
         "anything near 1 or above is other work competing)",
     ]
@@ -471,16 +468,20 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
 def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
     started = run_started()
     eval_size = min(args.eval_size or len(arithmetic.VALIDATION), len(arithmetic.VALIDATION))
-    specs = [RunSpec(arm, LR_SEED, lr, args.minutes, args.eval_every, eval_size, "validation", position)
-             for j, lr in enumerate(args.select_lr) for position, arm in enumerate(rotated(arms, j))]
+    grid = [(seed, lr) for seed in args.select_seeds for lr in args.select_lr]
+    specs = [RunSpec(arm, seed, lr, args.minutes, args.eval_every, eval_size, "validation", position)
+             for j, (seed, lr) in enumerate(grid) for position, arm in enumerate(rotated(arms, j))]
     runs = run_all(specs, args.output)
-    notes = [f"seed {LR_SEED} (not a measured seed), {args.minutes:g} min per run, start-up included, evaluated on "
-             f"held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr with the highest "
-             f"validation AUC ({METRICS['AUC']}) is chosen; the test split is never looked at here",
+    notes = [f"seeds {', '.join(map(str, args.select_seeds))} (not measured seeds) at every lr of the grid, the same "
+             f"grid for every arm; {args.minutes:g} min per run on the arm's clock (start-up included, evaluations "
+             f"excluded), evaluated on held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr "
+             f"with the highest mean validation AUC over the seeds ({METRICS['AUC']}) is chosen; the test split is "
+             "never looked at here",
              f"`python -m bench.learning_speed` reads the chosen lr per arm from {LR_FILE.name} and copies this "
              "selection into its results"]
     write_lr_report(LR_FILE.parent, _command(), runs, LABELS, notes,
-                    {"args": _jsonable(args), "split": "validation", "seed": LR_SEED, "eval_size": eval_size},
+                    {"args": _jsonable(args), "split": "validation", "seeds": args.select_seeds,
+                     "eval_size": eval_size},
                     started)
 
 
@@ -541,9 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairings", nargs="+", choices=list(PAIRINGS), default=list(PAIRINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="measured seeds (not with --select-lr)")
     parser.add_argument("--minutes", type=float, default=None,
-                        help="wall-clock budget per run, start-up included (default 20; 8 with --select-lr)")
+                        help="budget per run on the arm's clock: start-up included, evaluations excluded (default "
+                             "20; 8 with --select-lr)")
     parser.add_argument("--eval-every", type=float, default=90.0,
-                        help="seconds from the end of one held-out evaluation to the start of the next")
+                        help="seconds on the arm's clock from one held-out evaluation to the next")
     parser.add_argument("--eval-size", type=int, default=None,
                         help=f"held-out problems per evaluation (default: the whole split, test {len(arithmetic.TEST)}"
                              f", validation {len(arithmetic.VALIDATION)})")
@@ -552,8 +554,12 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"learning rate of an arm ({', '.join(ARMS)}) instead of the selected one")
     parser.add_argument("--lr-file", type=Path, default=LR_FILE, help="the --select-lr result to read lrs from")
     parser.add_argument("--select-lr", nargs="+", type=float, metavar="LR",
-                        help=f"instead of measuring: run every arm at each lr (seed {LR_SEED}, validation split) and "
+                        help="instead of measuring: run every arm at each lr, each of --select-seeds, on the "
+                             "validation split, and "
                              f"write the best per arm to {LR_FILE.relative_to(REPO_ROOT)}")
+    parser.add_argument("--select-seeds", nargs="+", type=int, default=LR_SEEDS,
+                        help="the seeds every lr of --select-lr runs with (at least 2 for a choice that is not one "
+                             "seed's luck)")
     parser.add_argument("--from-json", action="store_true",
                         help="re-render bench/results/learning_speed.{md,json,png} from its JSON, no runs")
     add_results_dir_argument(parser)

@@ -6,8 +6,10 @@ fixed before any run) in `bench.learning_speed.METRICS`; the functions below com
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,18 +22,43 @@ Pairing = tuple[str, str, Sequence[str]]
 """(key, title, arm keys): the arms of one comparison, tracetrain's first."""
 
 
+class ArmClock:
+    """An arm's clock: seconds since it was made (before any of the arm's processes started), less the
+    time spent in held-out evaluations, which no arm is charged for. `t0` is the wall-clock start (a
+    child process makes its own clock from the parent's)."""
+
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.time() if t0 is None else t0
+        self.excluded = 0.0
+        self._paused_at: float | None = None
+
+    def __call__(self) -> float:
+        now = time.time() if self._paused_at is None else self._paused_at
+        return now - self.t0 - self.excluded
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stops the clock for the block (an evaluation): it reads the same before and after."""
+        self._paused_at = time.time()
+        try:
+            yield
+        finally:
+            self.excluded += time.time() - self._paused_at
+            self._paused_at = None
+
+
 @dataclass
 class EvalPoint:
     t: float
-    """Seconds since the arm started (before its process was launched) when this evaluation finished: the
-    policy it measured existed by then."""
+    """Seconds on the arm's clock (evaluation time excluded, see `ArmClock`) when this evaluation ran:
+    the policy it measured existed by then."""
     reward: float
     """Mean `score` over the held-out problems, greedy, MAX_TOKENS answer tokens."""
     exact: float
     step: int
     """Optimizer steps taken: TRL's global step; tracetrain's highest policy version that answered."""
     seconds: float
-    """How long the evaluation itself took (on the arm's clock too)."""
+    """How long the evaluation itself took (wall-clock; not on the arm's clock)."""
     episodes: int
     """Training completions generated so far."""
     versions: list[int] = field(default_factory=list)

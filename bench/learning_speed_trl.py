@@ -29,7 +29,7 @@ from bench.learning_speed import (
     TRL_SCALE_REWARDS,
     RunSpec,
 )
-from bench.learning_speed_report import ArmRun, EvalPoint
+from bench.learning_speed_report import ArmClock, ArmRun, EvalPoint
 from tracetrain.demo import arithmetic
 
 
@@ -38,9 +38,7 @@ def trl_worker(spec_path: Path) -> None:
     raw = json.loads(spec_path.read_text())
     t0, result_path = raw.pop("t0"), Path(raw.pop("result"))
     spec = RunSpec(**raw)
-
-    def clock() -> float:
-        return time.time() - t0
+    clock = ArmClock(t0)  # started in the parent; evaluations are off it
 
     import torch
     from datasets import Dataset
@@ -86,20 +84,22 @@ def trl_worker(spec_path: Path) -> None:
 
     @torch.no_grad()
     def evaluate(policy: Any, step: int) -> None:
-        began = clock()
+        began = time.time()
         was_training = policy.training
         policy.eval()
         rewards: list[float] = []
-        for i in range(0, len(held), 32):
-            chunk = held[i:i + 32]
-            texts = [tokenizer.apply_chat_template(arithmetic.messages(q), add_generation_prompt=True, tokenize=False)
-                     for q, _ in chunk]
-            inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-            generated = policy.generate(**inputs, generation_config=greedy)
-            replies = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            rewards += [arithmetic.score(r, a) for r, (_, a) in zip(replies, chunk, strict=True)]
+        with clock.paused():
+            for i in range(0, len(held), 32):
+                chunk = held[i:i + 32]
+                texts = [tokenizer.apply_chat_template(arithmetic.messages(q), add_generation_prompt=True,
+                                                       tokenize=False) for q, _ in chunk]
+                inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                                   add_special_tokens=False)
+                generated = policy.generate(**inputs, generation_config=greedy)
+                replies = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+                rewards += [arithmetic.score(r, a) for r, (_, a) in zip(replies, chunk, strict=True)]
         policy.train(was_training)
-        point = EvalPoint(t=clock(), reward=sum(rewards) / len(rewards), step=step, seconds=clock() - began,
+        point = EvalPoint(t=clock(), reward=sum(rewards) / len(rewards), step=step, seconds=time.time() - began,
                           exact=sum(r == 1.0 for r in rewards) / len(rewards), episodes=step * BATCH, versions=[step])
         run.points.append(point)
         training = max(clock() - run.startup_s, 1e-9)

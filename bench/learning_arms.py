@@ -16,12 +16,15 @@ always runs first on a cold machine.
 Arms (each changes one thing from `grouped`, today's demo traffic):
 - `grouped`: 8 attempts per problem in one group, every reward at once;
 - `singletons`: one attempt per problem, no group named (the gateway groups repeats of a prompt);
-- `late`: rewards 30-300 s after their episode, out of order;
+- `late`: rewards 30-300 s after their episode, out of order; `late+staleness4` and `late+staleness16`
+  train on sessions up to 4 or 16 versions old (`train.max_staleness`);
 - `sparse`: only 25% of episodes ever rewarded;
 - `noisy`: 20% of rewards flipped;
 - `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
   trains those all-equal groups against the running baseline (`train.flat_groups=baseline`) instead of
-  setting them aside, and `hard+singletons` sends it one attempt at a time;
+  setting them aside, and `hard+singletons` sends it one attempt at a time; `hard+replay` and
+  `hard+baseline+replay` also train each step on up to 8 earlier successes again (self-imitation,
+  `train.replay_successes`);
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
@@ -98,6 +101,11 @@ ARMS = {
     "hard": Arm("exact answers only", ("--reward", "exact")),
     "hard+baseline": Arm("exact answers only, all-equal groups against the running baseline",
                          ("--reward", "exact"), ("train.flat_groups=baseline",)),
+    "hard+replay": Arm("exact answers only, up to 8 earlier successes trained on again per step",
+                       ("--reward", "exact"), ("train.replay_successes=8",)),
+    "hard+baseline+replay": Arm("exact answers only, all-equal groups against the running baseline, up to 8 "
+                                "earlier successes trained on again per step", ("--reward", "exact"),
+                                ("train.flat_groups=baseline", "train.replay_successes=8")),
     "hard+singletons": Arm("exact answers only, one attempt per problem",
                            ("--reward", "exact", "--group-size", "1", "--no-group")),
     "grouped+disk": Arm("the demo's traffic; full weights published through disk, as before they went from memory",
@@ -121,7 +129,8 @@ ARMS = {
 }
 
 
-CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "late+staleness16")
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "late+staleness16", "hard+replay",
+              "hard+baseline+replay")
 """Multi-turn tasks tried on the validation split and not chosen: run only when named."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
 

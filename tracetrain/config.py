@@ -82,6 +82,12 @@ class TrainConfig(BaseModel):
     `set_aside`: replaced by more groups (DAPO's dynamic sampling); on a hard task that discards most of
     what the agents generate. `baseline`: trained against the running baseline instead, so an all-fail
     group pushes away from what failed and a rare all-success group pays fully."""
+    replay_successes: int = Field(default=0, ge=0)
+    """Earlier samples that did better than expected trained on again, up to this many per step, while
+    their reward is still above their group's running baseline (self-imitation, Oh et al. 2018:
+    trainer/algorithms/replay.py). Rare successes on a hard task then pay more than once. 0: off."""
+    replay_max_age: int = Field(default=8, ge=1)
+    """Versions after which a sample is no longer replayed (its behaviour logprobs age with it)."""
     min_sessions: int = Field(default=0, ge=0)
     """Fewest usable sessions a step trains on, and only after waiting `fill_timeout_s` for a full batch;
     0: half of `batch_sessions`."""
@@ -202,6 +208,9 @@ class TrainConfig(BaseModel):
             self.min_sessions = max(1, self.batch_sessions // 2)
         if self.backend == "local" and self.workers > 1:
             raise ValueError(f"train.workers={self.workers} needs train.backend fsdp (or auto); local is one process")
+        if self.replay_successes and self.algorithm != "rl":
+            raise ValueError(f"train.replay_successes trains replayed samples with the policy loss: it needs "
+                             f"train.algorithm rl, not {self.algorithm}")
         if self.uses_fsdp and self.algorithm != "rl":
             raise ValueError(f"train.algorithm {self.algorithm} runs on the local backend only (fsdp trains rl)")
         if self.weight_transfer == "ipc" and self.uses_fsdp:
@@ -225,7 +234,7 @@ POLICY_TRAIN_SETTINGS = frozenset({
     "algorithm", "advantage", "policy_loss", "loss_agg_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
     "ppo_epochs", "kl_coef", "kl_type", "entropy_coef", "tis_cap", "max_staleness", "batch_sessions",
     "min_sessions", "lr", "weight_decay", "grad_clip", "lora_alpha", "gamma", "baseline_momentum", "sft_min_reward",
-    "dpo_beta", "seed"})
+    "dpo_beta", "seed", "replay_successes", "replay_max_age"})
 """`train.*` settings a policy may set for itself: how its line learns. Where and on what the trainer runs
 (devices, backend, workers, mode, checkpoints, publishing) is one trainer's, shared by every policy."""
 

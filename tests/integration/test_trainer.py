@@ -281,3 +281,22 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_weights_load(tiny_m
     other = tiny_model_dir(hidden=32)
     with pytest.raises(ValueError, match=r"trained from another model .*hidden_size: 64 there, 32 here"):
         _trainer(other, tmp_path, db_url)
+
+
+def test_past_successes_are_trained_on_again_until_they_age_out(tiny_model_path: Path, tmp_path: Path) -> None:
+    """`train.replay_successes`: each step trains on its batch plus earlier samples that did better than
+    expected, for `replay_max_age` versions; the version's figures say how many were replayed."""
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    trainer = _trainer(tiny_model_path, tmp_path, db_url, batch_sessions=4, min_sessions=4, max_staleness=0,
+                       replay_successes=8, replay_max_age=1)
+    replayed = []
+    for version, prefix in enumerate("abc"):
+        _add_batch(db_url, prefix, version)  # two groups of a failure and a success: two successes kept
+        assert trainer.step_once() and trainer.version == version + 1
+        with Session(open_db(db_url)) as s:
+            policy = s.get(Policy, ("default", version + 1))
+        assert policy is not None and policy.metrics["samples"] == 4  # the fresh ones, as before
+        replayed.append(policy.metrics["replayed"])
+    # v1: nothing yet; v2: a's two successes; v3: b's two (a's are 2 versions old, past the limit of 1)
+    assert replayed == [0, 2, 2]
+    assert [k.sample.session_id for k in trainer.lines["default"].replay.kept] == ["b1", "b3", "c1", "c3"]  # type: ignore[union-attr]

@@ -35,6 +35,7 @@ from tracetrain.engines.publishing import WeightSource
 from tracetrain.store import leases, policy_lines, promotion
 from tracetrain.trainer import checkpoint
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
+from tracetrain.trainer.algorithms.replay import SuccessReplay
 from tracetrain.trainer.backend import MultiLineBackend, StepBatch, TrainerBackend, WeightsInMemory, make_backend
 from tracetrain.trainer.batch import Batch, BatchGatherer
 from tracetrain.trainer.data import Sample
@@ -72,6 +73,12 @@ class Line:
                                                             "zero_variance": 0, "publish_failures": 0})
     """Running totals; `stale`, `zero_variance`, ...: sessions set aside by gathering, by reason."""
     batches: BatchGatherer | None = None
+    replay: SuccessReplay | None = None
+    """Past successes trained on again (`train.replay_successes`); None: off."""
+
+
+def _replay(cfg: TrainConfig) -> SuccessReplay | None:
+    return SuccessReplay(cfg.replay_successes, cfg.replay_max_age, cfg.seed) if cfg.replay_successes else None
 
 
 def step_times(figures: dict[str, Any]) -> dict[str, float]:
@@ -150,7 +157,7 @@ class Trainer:
         line = Line(name, cfg, root, version=latest.version if latest else 0,
                     resume=Path(weights.checkpoint) if weights and weights.checkpoint else None,
                     baseline=RunningBaseline(cfg.baseline_momentum),
-                    batches=BatchGatherer(cfg, self.db, self.trainer_id, policy=name))
+                    batches=BatchGatherer(cfg, self.db, self.trainer_id, policy=name), replay=_replay(cfg))
         self._restore(line, counts=True)
         return line
 
@@ -245,6 +252,7 @@ class Trainer:
                 self.wait_for_state()
                 self.backend.close()
                 line.baseline = RunningBaseline(line.cfg.baseline_momentum)
+                line.replay = _replay(line.cfg)  # its successes came from the weights rolled back
                 line.resume = resume
                 self._restore(line, counts=False)
                 self.backend = self._load()
@@ -310,12 +318,19 @@ class Trainer:
     def _train(self, line: Line, samples: list[Sample]) -> dict[str, Any]:
         cfg = line.cfg
         advantages = rl_advantages(samples, cfg, line.baseline) if cfg.algorithm == "rl" else None
-        figures = self.backend.step(StepBatch(samples, advantages))
+        replayed: list[Sample] = []
+        if line.replay is not None and advantages is not None:
+            replayed, again = line.replay.draw(line.version, line.baseline)
+            line.replay.keep(samples, advantages, line.version)  # after the draw: not replayed in its own step
+            advantages = advantages + again
+        figures = self.backend.step(StepBatch(samples + replayed, advantages))
         rewards = [x.reward for x in samples]
         line.counts["steps"] += 1
         line.counts["samples"] += len(samples)
         # Running totals first, so that this step's own figures (its `samples` above all) win.
         spread = {"advantage_std": statistics.pstdev(advantages)} if advantages else {}
+        if line.replay is not None:
+            spread["replayed"] = len(replayed)
         return {**line.counts, "samples_total": line.counts["samples"], **figures, **spread,
                 "reward_mean": sum(rewards) / len(rewards), "samples": len(samples),
                 "behaviour_versions": sorted({x.oldest_version for x in samples})}

@@ -184,6 +184,18 @@ def _policies(url: str) -> dict[str, Any]:
         return {}
 
 
+def _overview(url: str) -> dict[str, Any]:
+    """The gateway's `/v1/overview` (the trainer's state: `held` while a sync-mode step trains)."""
+    try:
+        return dict(httpx.get(f"{url}/v1/overview", timeout=10).json())
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _latest_version(url: str) -> int:
+    return max((int(p["version"]) for p in _policies(url).get("data", [])), default=0)
+
+
 def _count_lines(path: Path) -> int:
     try:
         with path.open() as f:
@@ -299,22 +311,28 @@ def _agent_paused(agent: subprocess.Popen[bytes] | None, url: str, clock: ArmClo
                   limit_s: float = 120.0) -> Iterator[None]:
     """The training agent stopped (SIGSTOP) for the block, and the trainer idle before it starts: no
     training step runs during an evaluation, which is off every arm's clock. Waiting for a step in
-    progress to end is training, so it stays on the clock. With the agent stopped no reward is posted,
-    so no new batch can fill; a step still finds one if a batch was already ready, hence the wait."""
-    if agent is None or agent.poll() is not None:
-        yield
-        return
-    os.kill(agent.pid, signal.SIGSTOP)
+    progress to end is training, so it stays on the clock. The arms train in `sync` mode on full
+    batches only (`min_sessions` = `batch_sessions`), so with the agent stopped (no reward is posted)
+    no step can start unless a batch's worth of sessions is already finished, hence the wait for
+    that too. Should a version still appear during the block, its time goes back on the clock."""
+    running = agent is not None and agent.poll() is None
+    if running:
+        os.kill(agent.pid, signal.SIGSTOP)  # type: ignore[union-attr]
     try:
         began = clock()
         while clock() - began < limit_s:
-            sessions = _policies(url).get("sessions", {})
-            if not int(sessions.get("leased", 0)) and int(sessions.get("ready", 0)) < BATCH:
+            trainer = _overview(url).get("trainer", {})
+            if trainer.get("state") != "held" and int(trainer.get("ready", 0)) + int(trainer.get("leased", 0)) < BATCH:
                 break
             time.sleep(0.5)
+        before, paused = _latest_version(url), clock.excluded
         yield
+        if _latest_version(url) != before:
+            console.print("  [yellow]a version was trained during the evaluation: its time stays on the clock[/yellow]")
+            clock.excluded = paused
     finally:
-        os.kill(agent.pid, signal.SIGCONT)
+        if running:
+            os.kill(agent.pid, signal.SIGCONT)  # type: ignore[union-attr]
 
 
 def _tracetrain_optimizer() -> str:

@@ -228,11 +228,11 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
                   _spread([float(r["versions"]) for r in mine], "{:.0f}"))
     per_run = ResultTable("every run, in the order run",
                           ["seed", "arm", "before", "after", "exact after", "right answers before → after",
-                           "episodes", "trained on", "versions", "minutes"])
+                           "episodes", "trained on", "samples replayed", "versions", "minutes"])
     for r in runs:
         per_run.add(r["seed"], r["arm"], f"{r['before']['mean_reward']:.3f}", f"{r['after']['mean_reward']:.3f}",
                     f"{r['after']['exact']:.1%}", _right_answers(r), r["episodes"], f"{r['trained_share']:.0%}",
-                    r["versions"], f"{r['wall_minutes']:.1f}")
+                    r.get("replayed_samples", "–"), r["versions"], f"{r['wall_minutes']:.1f}")
     parts = list(dict.fromkeys(k for r in runs for k in r.get("step_time_s", {})))
     times = ResultTable("where a step's time went: seconds per version, mean over the arm's runs that timed the "
                         "part (– where none did: no version, or a run from before the part was timed)",

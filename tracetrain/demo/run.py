@@ -162,7 +162,8 @@ def _train(url: str, minutes: float, seed: int, log_path: Path, agent_name: str,
 
 def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """How much of what the agents generated the trainer learned from: episodes rewarded, sessions
-    trained on (summed over every version's step figures), and sessions set aside by reason, as the store
+    trained on (summed over every version's step figures; with `train.replay_successes`, the samples
+    trained on again too), and sessions set aside by reason, as the store
     holds them (a version's figures count only what its own step set aside, not what was set aside after
     the last version); and where a step's time went, each part's mean over the versions (`first_call`:
     from a version's publish to the first call it served)."""
@@ -170,6 +171,7 @@ def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]
     policies = listing["data"]
     set_aside = listing["sessions"]["set_aside"]
     trained = sum(p.get("metrics", {}).get("sessions", 0) for p in policies)
+    replayed = [p["metrics"]["replayed"] for p in policies if "replayed" in p.get("metrics", {})]
     parts: dict[str, list[float]] = {}
     for policy in policies:
         for part, seconds in policy.get("metrics", {}).get("time_s", {}).items():
@@ -180,6 +182,7 @@ def _use_of_episodes(url: str, episodes: list[dict[str, Any]]) -> dict[str, Any]
     return {"rewarded_episodes": sum(1 for e in episodes if e.get("posted", True)), "trained_sessions": trained,
             "set_aside": set_aside, "trained_share": trained / len(episodes) if episodes else 0.0,
             "left_in_store": listing["sessions"],
+            **({"replayed_samples": sum(replayed)} if replayed else {}),
             "step_time_s": {part: sum(values) / len(values) for part, values in parts.items()}}
 
 

@@ -16,8 +16,8 @@ always runs first on a cold machine.
 Arms (each changes one thing from `grouped`, today's demo traffic):
 - `grouped`: 8 attempts per problem in one group, every reward at once;
 - `singletons`: one attempt per problem, no group named (the gateway groups repeats of a prompt);
-- `late`: rewards 30-300 s after their episode, out of order; `late+staleness4` and `late+staleness16`
-  train on sessions up to 4 or 16 versions old (`train.max_staleness`);
+- `late`: rewards 30-300 s after their episode, out of order; `late+staleness16` trains on sessions up
+  to 16 versions old (`train.max_staleness`), the bound chosen on the validation split over 4 and 1;
 - `sparse`: only 25% of episodes ever rewarded;
 - `noisy`: 20% of rewards flipped;
 - `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
@@ -129,7 +129,7 @@ ARMS = {
 }
 
 
-CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "late+staleness16", "hard+replay",
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay",
               "hard+baseline+replay")
 """Multi-turn tasks tried on the validation split and not chosen: run only when named."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]

@@ -72,7 +72,8 @@ class TrainConfig(BaseModel):
     """`sync`: generation waits while a batch trains (on-policy); `async`: it does not."""
     max_staleness: int = 1
     """Sessions with a call more than this many versions older than the trainer's are set aside as
-    `stale` (kept in the store, counted, never trained on by this loop)."""
+    `stale` (kept in the store, counted, never trained on by this loop). Rewards that come minutes late
+    need a bound that covers their lag in versions (docs/architecture.md, "Late rewards")."""
     batch_sessions: int = 32
     """Usable sessions per training step: whole groups, freshest first (so up to one group more when
     group sizes do not add up to it); zero-variance groups are replaced by more groups (DAPO's dynamic

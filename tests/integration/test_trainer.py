@@ -300,3 +300,37 @@ def test_past_successes_are_trained_on_again_until_they_age_out(tiny_model_path:
     # v1: nothing yet; v2: a's two successes; v3: b's two (a's are 2 versions old, past the limit of 1)
     assert replayed == [0, 2, 2]
     assert [k.sample.session_id for k in trainer.lines["default"].replay.kept] == ["b1", "b3", "c1", "c3"]  # type: ignore[union-attr]
+
+
+def test_a_batch_of_stale_sessions_is_reported_with_the_setting_that_keeps_them(
+        tiny_model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rewards that come more versions late than `train.max_staleness` are thrown away unseen; when a
+    whole batch's worth goes that way, the trainer says so and names the setting."""
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    with Session(open_db(db_url)) as s:
+        s.add(Policy(version=5, checkpoint=None, kind="base"))
+        s.commit()
+    _add_batch(db_url, "late", 1)  # 4 sessions sampled by version 1, rewarded now: 4 versions late
+    _add_batch(db_url, "now", 5)
+    trainer = _trainer(tiny_model_path, tmp_path, db_url, batch_sessions=4, min_sessions=4)
+    with caplog.at_level("WARNING", logger="tracetrain.trainer.loop"):
+        assert trainer.step_once()
+    assert trainer.counts["stale"] == 4 and trainer.counts["samples"] == 4
+    (warning,) = _trainer_warnings(caplog)
+    assert "4 sessions set aside as stale" in warning and "train.max_staleness=1" in warning
+
+    caplog.clear()
+    bounded = f"sqlite:///{tmp_path / 'u.db'}"
+    with Session(open_db(bounded)) as s:
+        s.add(Policy(version=5, checkpoint=None, kind="base"))
+        s.commit()
+    _add_batch(bounded, "late", 1)
+    again = _trainer(tiny_model_path, tmp_path / "bounded", bounded, batch_sessions=4, min_sessions=4, max_staleness=4)
+    with caplog.at_level("WARNING", logger="tracetrain.trainer.loop"):
+        assert again.step_once()  # within the bound: trained on, nothing to report
+    assert again.counts["stale"] == 0 and not _trainer_warnings(caplog)
+
+
+def _trainer_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "tracetrain.trainer.loop" and r.levelname == "WARNING"]

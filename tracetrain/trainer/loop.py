@@ -291,6 +291,12 @@ class Trainer:
         gathered = batch.figures(line.version)
         for reason, n in batch.set_aside.items():
             line.counts[reason] = line.counts.get(reason, 0) + n
+        if batch.set_aside["stale"] >= line.cfg.batch_sessions:
+            # Most often rewards that arrive more versions late than the bound: data thrown away unseen.
+            log.warning("line %r: %d sessions set aside as stale while gathering one batch of %d: their rewards came "
+                        "more than train.max_staleness=%d versions after they were sampled; a higher bound trains on "
+                        "them (docs/architecture.md, 'Late rewards')", line.name, batch.set_aside["stale"],
+                        line.cfg.batch_sessions, line.cfg.max_staleness)
         if self.hold:
             self.hold(True)
         try:

@@ -22,9 +22,9 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
 - `noisy`: 20% of rewards flipped;
 - `hard`: only an exact answer pays, so most groups of the base model fail together; `hard+baseline`
   trains those all-equal groups against the running baseline (`train.flat_groups=baseline`) instead of
-  setting them aside, and `hard+singletons` sends it one attempt at a time; `hard+replay` and
-  `hard+baseline+replay` also train each step on up to 8 earlier successes again (self-imitation,
-  `train.replay_successes`);
+  setting them aside, and `hard+singletons` sends it one attempt at a time; `hard+baseline+replay` also
+  trains each step on up to 8 earlier successes again (self-imitation, `train.replay_successes`),
+  chosen on the validation split over `hard`, `hard+baseline` and `hard+replay` (replay alone);
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
@@ -129,8 +129,7 @@ ARMS = {
 }
 
 
-CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay",
-              "hard+baseline+replay")
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay")
 """Multi-turn tasks tried on the validation split and not chosen: run only when named."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
 

@@ -66,3 +66,12 @@ def trained_token_count(calls: list[dict[str, Any]]) -> int:
     `gateway.redaction: redact` keeps such tokens out of the loss by design."""
     masked = sum(end - start for c in calls for start, end in (c["redactions"] or {}).get("completion", ()))
     return sum(c["completion_tokens"] for c in calls) - masked
+
+
+def is_produced(token_ids: list[int], generations: list[Generation], filler: int) -> bool:
+    """Whether `token_ids` (a stored segment) is some generation's prompt plus sample, token for token,
+    but for tokens redaction stored as the `filler` id (`tracetrain.proxy.redact.filler_id`): a sampled
+    run of digits may read as a phone number or a key, and the default `gateway.redaction: redact` keeps
+    it out of the store by design."""
+    return any(len(ids) == len(token_ids) and all(s in (p, filler) for s, p in zip(token_ids, ids, strict=True))
+               for ids in (g.prompt_ids + g.token_ids for g in generations))

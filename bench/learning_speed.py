@@ -27,6 +27,7 @@ agent's `--eval` mode, the training agent stopped and the trainer idle meanwhile
     python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4   # first: lr per arm, seeds 100 101 (validation)
     python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --pairings same-engine   # or only these two:
         # tracetrain + vLLM then takes the lr chosen for tracetrain + transformers (same trainer)
+    python -m bench.learning_speed --select-lr 1e-4 2e-4 4e-4 --resume  # go on where a stopped sitting ended
     python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
     python -m bench.learning_speed --pairings same-engine --seeds 0 --minutes 1.5 --eval-size 8 \\
         --eval-every 30 --results-dir /tmp/learning_speed                    # smoke test
@@ -63,6 +64,7 @@ from bench.common import (
     command_line,
     console,
     free_port,
+    process_git_sha,
     provenance,
     run_started,
 )
@@ -380,17 +382,52 @@ def run_arm(spec: RunSpec, out: Path) -> ArmRun:
     return run
 
 
-def run_all(specs: list[RunSpec], output: str) -> list[ArmRun]:
-    """One run after the other (never two at once); the runs so far are saved after each."""
+def run_all(specs: list[RunSpec], output: str, *, resume: bool = False) -> tuple[list[ArmRun], list[str]]:
+    """One run after the other (never two at once); the runs so far are saved after each, with the
+    settings and git commit they ran at. With `resume`, the runs an earlier sitting saved for the same
+    settings are kept and not run again, so a long grid can be spread over several sittings. Returns the
+    runs and the commits they ran at."""
     partial = OUT_DIR / "learning_speed" / f"{output}.partial.json"
-    runs: list[ArmRun] = []
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"minutes": specs[0].minutes, "eval_every": specs[0].eval_every, "eval_size": specs[0].eval_size,
+                "split": specs[0].split} if specs else {}
+    saved = _resumable(partial, settings) if resume else {}
+    runs: list[tuple[ArmRun, str]] = []
     started = time.monotonic()
     for i, spec in enumerate(specs):
+        key = _run_key(spec.arm, spec.seed, spec.lr)
+        if key in saved:
+            console.print(f"run {i + 1}/{len(specs)}: {ARMS[spec.arm].label}, seed {spec.seed}, lr {spec.lr:g}: "
+                          f"kept from an earlier sitting at {saved[key][1][:12]}")
+            runs.append(saved[key])
+            continue
         console.rule(f"run {i + 1}/{len(specs)}: {ARMS[spec.arm].label}, seed {spec.seed}, lr {spec.lr:g}, "
                      f"{spec.minutes:g} min  ({(time.monotonic() - started) / 60:.0f} min elapsed)")
-        runs.append(run_arm(spec, OUT_DIR / "learning_speed" / output / f"{spec.arm}-s{spec.seed}-lr{spec.lr:g}"))
-        partial.write_text(json.dumps([asdict(r) for r in runs], indent=1))
-    return runs
+        run = run_arm(spec, OUT_DIR / "learning_speed" / output / f"{spec.arm}-s{spec.seed}-lr{spec.lr:g}")
+        runs.append((run, process_git_sha()))
+        partial.write_text(json.dumps({"settings": settings,
+                                       "runs": [{**asdict(r), "git": sha} for r, sha in runs]}, indent=1))
+    return [r for r, _ in runs], sorted({sha for _, sha in runs})
+
+
+def _run_key(arm: str, seed: int, lr: float) -> str:
+    return f"{arm}/{seed}/{lr:g}"
+
+
+def _resumable(partial: Path, settings: dict[str, Any]) -> dict[str, tuple[ArmRun, str]]:
+    """The runs `partial` holds, by arm/seed/lr, when they ran with `settings`; none otherwise."""
+    if not partial.exists():
+        return {}
+    document = json.loads(partial.read_text())
+    if not isinstance(document, dict) or document.get("settings") != settings:
+        console.print(f"[yellow]{partial.name} holds runs with other settings: none kept[/yellow]")
+        return {}
+    kept = {}
+    for data in document["runs"]:
+        sha = data.pop("git")
+        run = ArmRun.from_json(data)
+        kept[_run_key(run.arm, run.seed, run.lr)] = (run, sha)
+    return kept
 
 
 def rotated(arms: list[str], k: int) -> list[str]:
@@ -489,14 +526,16 @@ def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
     grid = [(seed, lr) for seed in args.select_seeds for lr in args.select_lr]
     specs = [RunSpec(arm, seed, lr, args.minutes, args.eval_every, eval_size, "validation", position)
              for j, (seed, lr) in enumerate(grid) for position, arm in enumerate(rotated(arms, j))]
-    runs = run_all(specs, args.output)
+    runs, commits = run_all(specs, args.output, resume=args.resume)
     notes = [f"seeds {', '.join(map(str, args.select_seeds))} (not measured seeds) at every lr of the grid, the same "
              f"grid for every arm; {args.minutes:g} min per run on the arm's clock (start-up included, evaluations "
              f"excluded), evaluated on held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr "
              f"with the highest mean validation AUC over the seeds ({METRICS['AUC']}) is chosen; the test split is "
              "never looked at here",
              f"`python -m bench.learning_speed` reads the chosen lr per arm from {LR_FILE.name} and copies this "
-             "selection into its results"]
+             "selection into its results",
+             f"runs made at git {', '.join(c[:12] for c in commits)}" + (" (resumed over several sittings)"
+                                                                         if len(commits) > 1 else "")]
     write_lr_report(LR_FILE.parent, _command(), runs, LABELS, notes,
                     {"args": _jsonable(args), "split": "validation", "seeds": args.select_seeds,
                      "eval_size": eval_size},
@@ -510,8 +549,8 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
     order = {seed: rotated(arms, k) for k, seed in enumerate(args.seeds)}
     specs = [RunSpec(arm, seed, lrs[arm][0], args.minutes, args.eval_every, args.eval_size, "test", position)
              for seed, arms_in_order in order.items() for position, arm in enumerate(arms_in_order)]
-    runs = run_all(specs, args.output)
-    raw = {"args": _jsonable(args),
+    runs, commits = run_all(specs, args.output, resume=args.resume)
+    raw = {"commits": commits, "args": _jsonable(args),
            "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
            "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
     write_report(args.results_dir, HEADING, _command(), pairings, runs, LABELS, lrs, args.threshold,
@@ -580,6 +619,9 @@ def main(argv: list[str] | None = None) -> None:
                              "seed's luck)")
     parser.add_argument("--from-json", action="store_true",
                         help="re-render bench/results/learning_speed.{md,json,png} from its JSON, no runs")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs an earlier sitting of the same command saved (same minutes, evaluation "
+                             "settings and split) and run only the rest")
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)

@@ -301,6 +301,14 @@ def test_past_successes_are_trained_on_again_until_they_age_out(tiny_model_path:
     assert replayed == [0, 2, 2]
     assert [k.sample.session_id for k in trainer.lines["default"].replay.kept] == ["b1", "b3", "c1", "c3"]  # type: ignore[union-attr]
 
+    # A restarted trainer replays the same successes: its resume state names them, the store holds them.
+    trainer.close()
+    restarted = _trainer(tiny_model_path, tmp_path, db_url, batch_sessions=4, min_sessions=4, max_staleness=0,
+                         replay_successes=8, replay_max_age=1)
+    kept = restarted.lines["default"].replay.kept  # type: ignore[union-attr]
+    assert [(k.sample.session_id, k.version, k.sample.reward) for k in kept] == \
+        [("b1", 1, 1.0), ("b3", 1, 1.0), ("c1", 2, 1.0), ("c3", 2, 1.0)]
+
 
 def test_a_batch_of_stale_sessions_is_reported_with_the_setting_that_keeps_them(
         tiny_model_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -2,7 +2,8 @@
 
 Everything that must survive a restart lives in the store (policy versions with their checkpoint
 and figures, which sessions each version consumed or skipped and why) or in the checkpoint directory
-(weights, optimizer, running baseline). A restarted trainer resumes from the latest version.
+(weights, optimizer, running baseline, the sessions kept for replay). A restarted trainer resumes from
+the latest version.
 
 One trainer trains every named policy (docs/architecture.md, decision 13): each is a `Line` with its own
 sessions, version numbers, staleness, running baseline, settings and checkpoints, and, on the local
@@ -38,7 +39,7 @@ from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.algorithms.replay import SuccessReplay
 from tracetrain.trainer.backend import MultiLineBackend, StepBatch, TrainerBackend, WeightsInMemory, make_backend
 from tracetrain.trainer.batch import Batch, BatchGatherer
-from tracetrain.trainer.data import Sample
+from tracetrain.trainer.data import Sample, load_samples
 from tracetrain.trainer.devices import release_cached_memory
 from tracetrain.trainer.scheduler import Demand, FairScheduler
 from tracetrain.trainer.step import rl_advantages
@@ -162,13 +163,17 @@ class Trainer:
         return line
 
     def _restore(self, line: Line, *, counts: bool) -> None:
-        """The running baseline (with `counts`, the running totals too: a restart, not a rollback, whose
-        totals go on) of the checkpoint the line continues from."""
+        """The running baseline and the successes kept for replay (with `counts`, the running totals too: a
+        restart, not a rollback, whose totals go on) of the checkpoint the line continues from."""
         if line.resume is None:
             return
         checkpoint.check_base(line.resume, self.base_dir)
         state = checkpoint.load_state(line.resume)
         line.baseline = RunningBaseline.from_state(state["baseline"])
+        if line.replay is not None and state.get("replay"):
+            with Session(self.db) as s:
+                kept = load_samples(s, [sid for sid, _ in state["replay"]], gamma=line.cfg.gamma)
+            line.replay.restore(state["replay"], {x.session_id: x for x in kept})
         if counts:
             line.counts.update(state.get("counts", {}))
 
@@ -252,7 +257,7 @@ class Trainer:
                 self.wait_for_state()
                 self.backend.close()
                 line.baseline = RunningBaseline(line.cfg.baseline_momentum)
-                line.replay = _replay(line.cfg)  # its successes came from the weights rolled back
+                line.replay = _replay(line.cfg)  # the incumbent's own, not those of the weights rolled back
                 line.resume = resume
                 self._restore(line, counts=False)
                 self.backend = self._load()
@@ -343,7 +348,8 @@ class Trainer:
 
     def _checkpoint(self, line: Line) -> Path:
         state = {"baseline": line.baseline.state_dict(), "counts": dict(line.counts), "version": line.version,
-                 "base_model": checkpoint.architecture(self.base_dir), "policy": line.name}
+                 "base_model": checkpoint.architecture(self.base_dir), "policy": line.name,
+                 "replay": line.replay.state_dict() if line.replay is not None else []}
         merged = self.serves_merged and line.name == DEFAULT_POLICY
 
         def write(tmp: Path) -> None:

@@ -12,7 +12,8 @@ of one are trained against: `baseline.py`), not a learned value head; the replay
 through the same clipped policy loss as the fresh ones, with truncated importance sampling against
 the logprobs it was sampled with (`importance.py`), not through a separate imitation loss; and a
 sample is kept for at most `max_age` versions, since its behaviour logprobs age with it. The buffer
-lives in the trainer's memory: a restarted trainer starts with an empty one.
+lives in the trainer's memory; each version's resume state names the sessions it holds (`state_dict`),
+so a restarted trainer reloads them from the store (`restore`) rather than starting with an empty one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.data import Sample
@@ -57,3 +59,14 @@ class SuccessReplay:
                        key=lambda x: x[0], reverse=True)
         chosen = keyed[: self.per_step]
         return [s for _, s, _ in chosen], [a for _, _, a in chosen]
+
+    def state_dict(self) -> list[list[Any]]:
+        """What a resume state keeps: each kept sample's session id and version, oldest first. The samples
+        themselves are in the store, which is where `restore` reads them from."""
+        return [[k.sample.session_id, k.version] for k in self.kept]
+
+    def restore(self, state: list[list[Any]], samples: dict[str, Sample]) -> None:
+        """Take back a `state_dict`, with `samples` (by session id) loaded from the store; a session the
+        store no longer holds (retention deleted it) is left out."""
+        self.kept.clear()
+        self.kept.extend(_Kept(samples[sid], int(version)) for sid, version in state if sid in samples)

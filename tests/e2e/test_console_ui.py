@@ -142,7 +142,14 @@ def _shot(page: Any, name: str, selector: str | None = None) -> Path:
     SCREENSHOTS.mkdir(exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
     if selector:
-        page.locator(selector).screenshot(path=str(path))
+        # A live page redraws every few seconds; an element redrawn during its screenshot is taken again.
+        for attempt in range(3):
+            try:
+                page.locator(selector).screenshot(path=str(path))
+                break
+            except sync_api.Error as error:
+                if "not attached to the DOM" not in str(error) or attempt == 2:
+                    raise
     else:
         page.screenshot(path=str(path), full_page=True)
     return path

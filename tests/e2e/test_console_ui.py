@@ -102,7 +102,7 @@ def console(tiny_engine: TransformersEngine, tiny_model_path: Path,
                               json={"version": version, "checkpoint": str(path), "kind": kind})
         response.raise_for_status()
 
-    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, max_staleness=100,
+    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, max_staleness=100, replay_successes=4,
                       checkpoint_dir=tmp / "ckpt")
     trainer = Trainer(cfg, open_db(gw.gateway.config.store.url), tiny_model_path, publish=publish)
     console = Console(gw, trainer)
@@ -329,6 +329,9 @@ def test_policies_overview_and_capture_pages_show_the_api_figures(console: Conso
     for name in ("reward_mean", "advantage_std", "clip_fraction"):
         value = figures[name]  # shown as the console's fmt() does: a whole number without decimals
         sync_api.expect(newest).to_contain_text(str(int(value)) if float(value).is_integer() else f"{value:.3f}")
+    replayed = figures["replayed"]  # earlier rounds' successes trained on again (train.replay_successes)
+    assert replayed > 0
+    sync_api.expect(newest.locator(".samples")).to_have_text(f"{figures['samples']} + {replayed} replayed")
     _shot(page, "policies")
     _shot(page, "policies_chart", ".charts")
 

@@ -713,7 +713,9 @@ function policiesPage(view, params) {
       el("tbody", {}, [...listed.data].reverse().map((p) => el("tr", { "data-version": p.version, "data-line": p.line },
         el("td", {}, p.line), el("td", {}, `v${p.version}`), el("td", {}, when(p.created_at)), el("td", {}, p.kind),
         m(p, "reward_mean"), m(p, "advantage_std"), m(p, "loss", 4), m(p, "kl", 4), m(p, "entropy"),
-        m(p, "clip_fraction"), m(p, "samples"),
+        m(p, "clip_fraction"),
+        el("td", { class: "num samples" }, fmt(p.metrics.samples) +
+          (p.metrics.replayed ? ` + ${p.metrics.replayed} replayed` : "")),
         el("td", {}, counts(p.metrics.set_aside)), el("td", {}, counts(p.metrics.staleness)),
         el("td", { class: "step-time" }, stepTime(p)), el("td", {}, probeBadge(p.probes)),
         el("td", {}, p.publish_error ? el("span", { class: "badge bad", title: p.publish_error }, "failed")

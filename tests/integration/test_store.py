@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import sqlite3
 import threading
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlmodel import Session, select
 from tracetrain.store import promotion
 from tracetrain.store.codec import decode_floats, decode_ids, encode_floats, encode_ids
 from tracetrain.store.db import open_db
-from tracetrain.store.models import AgentSession, Call, Reward
+from tracetrain.store.models import AgentSession, Call, Policy, Reward, utcnow
 from tracetrain.store.queries import CALL_COLUMNS, record_calls
 from tracetrain.store.writer import StoreWriter
 
@@ -200,3 +201,30 @@ async def test_a_session_recorded_after_its_canary_was_rolled_back_is_set_aside(
     with Session(db) as s:
         reasons = {row.id: row.skip_reason for row in s.exec(select(AgentSession)).all()}
     assert reasons == {"before": "rolled_back", "after": "rolled_back", "unchecked": None}
+
+
+@pytest.mark.parametrize("call_first", [True, False])
+def test_a_version_is_dated_served_no_later_than_its_first_call(db_url: str, call_first: bool) -> None:
+    """A call on a new version can be recorded before the gateway writes the hand-over's date, and the
+    trainer writes its own date later still: published_at must stay the earliest, never after the first call."""
+    db = open_db(db_url)
+    handed_over = utcnow()
+    first_call = handed_over - timedelta(milliseconds=17) if call_first else handed_over + timedelta(seconds=1)
+    with Session(db) as s:
+        s.add(Policy(version=1, checkpoint="/v1", kind="lora"))
+        s.commit()
+        if call_first:
+            promotion.record_first_call(s, version=1, at=first_call)
+            s.commit()
+        promotion.mark_published(s, version=1, checkpoint=Path("/v1"), kind="lora", promotion="immediate",
+                                 at=handed_over)
+        if not call_first:
+            promotion.record_first_call(s, version=1, at=first_call)
+            s.commit()
+        promotion.record_publish(s, line="default", version=1, error=None, seconds=0.5)  # the trainer, later
+    with Session(db) as s:
+        policy = s.get(Policy, ("default", 1))
+        assert policy is not None and policy.published_at is not None and policy.first_call_at is not None
+        assert policy.published_at <= policy.first_call_at
+        expected = first_call if call_first else handed_over
+        assert policy.published_at.replace(tzinfo=None) == expected.replace(tzinfo=None)

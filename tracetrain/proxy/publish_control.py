@@ -152,12 +152,13 @@ class PublishController:
             self._holds.hold("publish")
         try:
             await self.publisher.publish(checkpoint)
+            served_at = utcnow()  # before the write queue: calls on the new version may be recorded first
         finally:
             if pauses:
                 self._holds.release("publish")
         await self._writer.submit(lambda db: versions.mark_published(
             db, version=checkpoint.version, checkpoint=checkpoint.path, kind=checkpoint.kind,
-            promotion="immediate"))
+            promotion="immediate", at=served_at))
 
     async def _start_replica_sync(self) -> None:
         """Full weights reloaded in place: every gateway process on this store labels each replica's calls

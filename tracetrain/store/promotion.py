@@ -61,7 +61,8 @@ def record_publish(db: Session, *, line: str, version: int, error: str | None, s
     policy = version_row(db, line=line, version=version)
     if policy is None:
         return
-    policy.published_at = None if error else utcnow()
+    # A gateway that served it has dated it already, before its reply reached the trainer: keep that.
+    policy.published_at = None if error else _served_from(policy, policy.published_at or utcnow())
     policy.publish_error = error
     times = {**policy.metrics.get("time_s", {}), "publish": seconds}
     policy.metrics = {**policy.metrics, "publish_seconds": seconds, "time_s": times}
@@ -69,8 +70,17 @@ def record_publish(db: Session, *, line: str, version: int, error: str | None, s
     db.commit()
 
 
+def _served_from(policy: Policy, at: datetime) -> datetime:
+    """When `policy` began serving: `at` (its hand-over to the engine ended), or its first call if one was
+    recorded before that was written, since a recorded call proves it was serving by then."""
+    first = policy.first_call_at
+    if first is not None and first.replace(tzinfo=None) < at.replace(tzinfo=None):
+        return first
+    return at
+
+
 def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, promotion: str,
-                   line: str = DEFAULT_POLICY) -> datetime | None:
+                   line: str = DEFAULT_POLICY, at: datetime | None = None) -> datetime | None:
     """Record that `version` now serves as `immediate` or `canary`; returns a canary's start. A canary needs
     a row for its decision, made here if the trainer made none; an immediate version is recorded by its
     trainer."""
@@ -80,7 +90,7 @@ def mark_published(db: Session, *, version: int, checkpoint: Path, kind: str, pr
             return None
         policy = Policy(line=line, version=version, checkpoint=str(checkpoint), kind=kind)
     policy.promotion = promotion
-    policy.published_at = policy.published_at or utcnow()
+    policy.published_at = policy.published_at or _served_from(policy, at or utcnow())
     if promotion == "canary":
         policy.canary_since = utcnow()
     db.add(policy)
@@ -101,6 +111,10 @@ def record_first_call(db: Session, *, version: int, at: datetime, line: str = DE
     db.execute(update(Policy).where(col(Policy.line) == line, col(Policy.version) == version,
                                     col(Policy.first_call_at).is_(None))
                .values(first_call_at=at))
+    # A publish dated after the call (its hand-over was written later) began serving by the call.
+    db.execute(update(Policy).where(col(Policy.line) == line, col(Policy.version) == version,
+                                    col(Policy.published_at) > at)
+               .values(published_at=at))
 
 
 def arm_rewards(db: Session, *, version: int, since: datetime, line: str = DEFAULT_POLICY) -> list[float]:

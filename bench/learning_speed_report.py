@@ -181,11 +181,16 @@ class Spread:
                    statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
 
 
+def time_or_budget(run: ArmRun, threshold: float) -> float:
+    """Time to threshold in seconds, "not reached" counted as the budget."""
+    reached = time_to(run, threshold)
+    return run.budget_s if reached is None else reached
+
+
 def threshold_spread(runs: Sequence[ArmRun], threshold: float) -> tuple[Spread, int]:
     """Time to threshold in seconds over seeds, "not reached" counted as the budget; and how many reached it."""
-    times = [time_to(r, threshold) for r in runs]
-    return Spread.of([t if t is not None else r.budget_s for t, r in zip(times, runs, strict=True)]), \
-        sum(t is not None for t in times)
+    return Spread.of([time_or_budget(r, threshold) for r in runs]), sum(time_to(r, threshold) is not None
+                                                                        for r in runs)
 
 
 def pick_lrs(runs: Sequence[ArmRun]) -> dict[str, float]:
@@ -312,9 +317,35 @@ def verdicts(pairing: Pairing, runs: Sequence[ArmRun], labels: dict[str, str], t
                                 Spread.of([reward_at_step(r, step) for r in mine]),
                                 Spread.of([reward_at_step(r, step) for r in others]), True, lambda v: f"{v:.3f}",
                                 names))
+    lines = [text for _, text, _ in results] + [time_ratio(mine, others, names, threshold)]
     lost = [name for name, _, won in results if not won]
     summary = (f"{names[0]} does not win on: {'; '.join(lost)}" if lost else f"{names[0]} wins every metric")
-    return [f"{key}: {text}" for _, text, _ in results] + [f"{key}: {summary}"]
+    return [f"{key}: {text}" for text in lines] + [f"{key}: {summary}"]
+
+
+TIME_TARGET = 1.0
+"""Target: tracetrain reaches the threshold in at most this multiple of TRL's time (issue 31)."""
+TIME_STRETCH = 0.7
+"""The stretch target, same ratio."""
+
+
+def time_ratio(mine: Sequence[ArmRun], others: Sequence[ArmRun], names: tuple[str, str], threshold: float) -> str:
+    """tracetrain's time to `threshold` as a multiple of the other arm's: the ratio of the means over seeds and
+    the range of the per-seed ratios (both arms of a seed see the same problems in the same order), against
+    the target and the stretch. A run that never reaches the threshold counts as its budget, so when one
+    did not, the sentence says the ratio is a bound, not a measurement."""
+    (ours, _), (theirs, _) = threshold_spread(mine, threshold), threshold_spread(others, threshold)
+    ratio = ours.mean / theirs.mean
+    theirs_by_seed = {r.seed: time_or_budget(r, threshold) for r in others}
+    per_seed = [time_or_budget(r, threshold) / theirs_by_seed[r.seed] for r in mine if r.seed in theirs_by_seed]
+    verdict = ("meets the stretch" if ratio <= TIME_STRETCH else
+               "meets the target" if ratio <= TIME_TARGET else "misses the target")
+    seeds = f", per seed {min(per_seed):.2f}x-{max(per_seed):.2f}x" if per_seed else ""
+    censored = sum(time_to(r, threshold) is None for r in [*mine, *others])
+    caveat = (f"; {censored} run(s) never reached {threshold:g} and count as their budget, so this is a bound, "
+              "not a measurement") if censored else ""
+    return (f"time to {threshold:g}: {names[0]} takes {ratio:.2f}x {names[1]}'s time (ratio of means{seeds}; "
+            f"target <= {TIME_TARGET:g}x, stretch <= {TIME_STRETCH:g}x): {verdict}{caveat}")
 
 
 def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels: dict[str, str],

@@ -426,10 +426,14 @@ def write_lr_report(results_dir: Path, command: str, runs: Sequence[ArmRun], lab
     """`<results_dir>/learning_speed_lr.{md,json}` for `--select-lr`, the input of the measured runs (which
     copy it into their own results); returns the chosen lr per arm."""
     chosen = pick_lrs(runs)
+    mean_auc = {(arm, lr): statistics.fmean(auc(r) for r in runs if (r.arm, r.lr) == (arm, lr))
+                for arm, lr in {(r.arm, r.lr) for r in runs}}
     table = ResultTable("learning rate per arm, chosen by validation AUC",
-                        ["arm", "lr", "validation AUC", "final validation reward", "opt. steps", "chosen"])
-    for r in sorted(runs, key=lambda r: (r.arm, r.lr)):
-        table.add(labels[r.arm], f"{r.lr:g}", _f(auc(r)), _f(final(r)), r.steps, "yes" if chosen[r.arm] == r.lr else "")
+                        ["arm", "lr", "seed", "validation AUC", "mean AUC over seeds", "final validation reward",
+                         "opt. steps", "chosen"])
+    for r in sorted(runs, key=lambda r: (r.arm, r.lr, r.seed)):
+        table.add(labels[r.arm], f"{r.lr:g}", r.seed, _f(auc(r)), _f(mean_auc[r.arm, r.lr]), _f(final(r)), r.steps,
+                  "yes" if chosen[r.arm] == r.lr else "")
     console.print(table.rich())
     path = write_results(f"{NAME}_lr", "Learning speed: learning rate per arm (validation split)", command, [table],
                          [*[f"{labels[a]}: lr {lr:g}" for a, lr in chosen.items()], *notes],

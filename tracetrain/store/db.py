@@ -5,6 +5,8 @@ connects (for migrating)."""
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 from typing import Any
 
 import orjson
@@ -57,9 +59,31 @@ def connect_db(url: str, *, sqlite_synchronous: str = "FULL") -> Engine:
         @event.listens_for(db, "connect")
         def _pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
             cursor = dbapi_conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _enter_wal(cursor)
             cursor.execute(f"PRAGMA synchronous={sqlite_synchronous}")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
         return db
     return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True, **json_codec)
+
+
+WAL_SWITCH_WAIT_S = 30.0
+"""How long a connection keeps retrying to switch a new store to WAL while another process does the same."""
+
+
+def _enter_wal(cursor: sqlite3.Cursor) -> None:
+    """Put the database in WAL mode. WAL is recorded in the file, so only the first connection ever
+    switches it, and that switch needs the file to itself: when several processes open a new store at
+    once, SQLite answers the others "database is locked" at once, without waiting on the busy timeout.
+    They retry until the switch has happened (then the mode reads back as wal and nothing is left to do)."""
+    deadline = time.monotonic() + WAL_SWITCH_WAIT_S
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+                return
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

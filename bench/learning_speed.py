@@ -33,8 +33,10 @@ agent's `--eval` mode, the training agent stopped and the trainer idle meanwhile
         --eval-every 30 --results-dir /tmp/learning_speed                    # smoke test
 
 Results: `bench/results/learning_speed.{md,json,png}`. `--select-lr` writes its choice to
-`bench/out/learning_speed_lr.{md,json}` (scratch), which the measured runs read and copy into their
-results, so the committed file holds the selection its learning rates came from.
+`bench/results/learning_speed_lr.{md,json}`, which the measured runs read and copy into their results, so
+the report holds the selection its learning rates came from. Both take hours, more than one sitting, so
+every finished run is saved at once to `bench/results/<name>.partial.json` (committed with the sitting's
+work, read back by `--resume`) and the file goes when the report is written.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ both. rloo: r - mean of the other members, which is n/(n-1) times TRL's unscaled
 direction, a constant factor that Adam's normalisation all but removes."""
 LR_SEEDS = [100, 101]
 """`--select-lr`'s seeds (every grid point runs each), distinct from the measured ones."""
-LR_FILE = OUT_DIR / "learning_speed_lr.json"
-"""`--select-lr`'s output: the input of the measured runs, kept out of bench/results until they copy it."""
+LR_FILE = RESULTS_DIR / "learning_speed_lr.json"
+"""`--select-lr`'s output: the input of the measured runs."""
 TRL_VLLM_UNAVAILABLE = (
     "TRL + vLLM cannot run on this machine. Server mode (vllm_mode='server'): VLLMClient.init_communicator syncs "
     "weights through vLLM's NCCL weight-transfer engine and raises NotImplementedError for any non-CUDA device "
@@ -382,12 +384,12 @@ def run_arm(spec: RunSpec, out: Path) -> ArmRun:
     return run
 
 
-def run_all(specs: list[RunSpec], output: str, *, resume: bool = False) -> tuple[list[ArmRun], list[str]]:
-    """One run after the other (never two at once); the runs so far are saved after each, with the
-    settings and git commit they ran at. With `resume`, the runs an earlier sitting saved for the same
-    settings are kept and not run again, so a long grid can be spread over several sittings. Returns the
-    runs and the commits they ran at."""
-    partial = OUT_DIR / "learning_speed" / f"{output}.partial.json"
+def run_all(specs: list[RunSpec], output: str, partial: Path, *,
+            resume: bool = False) -> tuple[list[ArmRun], list[str]]:
+    """One run after the other (never two at once); the runs so far are saved to `partial` after each,
+    with the settings and git commit they ran at. With `resume`, the runs an earlier sitting saved for the
+    same settings are kept and not run again, so a long grid can be spread over several sittings. Returns
+    the runs and the commits they ran at."""
     partial.parent.mkdir(parents=True, exist_ok=True)
     settings = {"minutes": specs[0].minutes, "eval_every": specs[0].eval_every, "eval_size": specs[0].eval_size,
                 "split": specs[0].split} if specs else {}
@@ -526,7 +528,8 @@ def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
     grid = [(seed, lr) for seed in args.select_seeds for lr in args.select_lr]
     specs = [RunSpec(arm, seed, lr, args.minutes, args.eval_every, eval_size, "validation", position)
              for j, (seed, lr) in enumerate(grid) for position, arm in enumerate(rotated(arms, j))]
-    runs, commits = run_all(specs, args.output, resume=args.resume)
+    partial = args.results_dir / f"{args.output}.partial.json"
+    runs, commits = run_all(specs, args.output, partial, resume=args.resume)
     notes = [f"seeds {', '.join(map(str, args.select_seeds))} (not measured seeds) at every lr of the grid, the same "
              f"grid for every arm; {args.minutes:g} min per run on the arm's clock (start-up included, evaluations "
              f"excluded), evaluated on held_out({eval_size}, 'validation') every {args.eval_every:g} s; per arm the lr "
@@ -536,10 +539,11 @@ def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
              "selection into its results",
              f"runs made at git {', '.join(c[:12] for c in commits)}" + (" (resumed over several sittings)"
                                                                          if len(commits) > 1 else "")]
-    write_lr_report(LR_FILE.parent, _command(), runs, LABELS, notes,
+    write_lr_report(args.results_dir, _command(), runs, LABELS, notes,
                     {"args": _jsonable(args), "split": "validation", "seeds": args.select_seeds,
                      "eval_size": eval_size},
                     started)
+    partial.unlink()  # the report holds every run now
 
 
 def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) -> None:
@@ -549,12 +553,14 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
     order = {seed: rotated(arms, k) for k, seed in enumerate(args.seeds)}
     specs = [RunSpec(arm, seed, lrs[arm][0], args.minutes, args.eval_every, args.eval_size, "test", position)
              for seed, arms_in_order in order.items() for position, arm in enumerate(arms_in_order)]
-    runs, commits = run_all(specs, args.output, resume=args.resume)
+    partial = args.results_dir / f"{args.output}.partial.json"
+    runs, commits = run_all(specs, args.output, partial, resume=args.resume)
     raw = {"commits": commits, "args": _jsonable(args),
            "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
            "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
     write_report(args.results_dir, HEADING, _command(), pairings, runs, LABELS, lrs, args.threshold,
                  _settings_notes(args, runs, order), raw, started)
+    partial.unlink()  # the report holds every run now
 
 
 def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
@@ -609,7 +615,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=THRESHOLD, help="held-out reward whose crossing is timed")
     parser.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE",
                         help=f"learning rate of an arm ({', '.join(ARMS)}) instead of the selected one")
-    parser.add_argument("--lr-file", type=Path, default=LR_FILE, help="the --select-lr result to read lrs from")
+    parser.add_argument("--lr-file", type=Path, default=None,
+                        help="the --select-lr result to read lrs from (default: learning_speed_lr.json in "
+                             "--results-dir)")
     parser.add_argument("--select-lr", nargs="+", type=float, metavar="LR",
                         help="instead of measuring: run every arm at each lr, each of --select-seeds, on the "
                              "validation split, and "
@@ -625,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)
+    args.lr_file = args.lr_file or args.results_dir / LR_FILE.name
     # the runs' scratch directories under bench/out/learning_speed/
     args.output = "learning_speed_lr" if args.select_lr else "learning_speed"
     pairings = [PAIRINGS[p] for p in dict.fromkeys(args.pairings)]

@@ -193,12 +193,19 @@ def threshold_spread(runs: Sequence[ArmRun], threshold: float) -> tuple[Spread, 
                                                                         for r in runs)
 
 
+def mean_aucs(runs: Sequence[ArmRun]) -> dict[tuple[str, float], float]:
+    """AUC per (arm, lr), the mean over that grid point's runs (its seeds)."""
+    points: dict[tuple[str, float], list[float]] = {}
+    for r in runs:
+        points.setdefault((r.arm, r.lr), []).append(auc(r))
+    return {point: statistics.fmean(values) for point, values in points.items()}
+
+
 def pick_lrs(runs: Sequence[ArmRun]) -> dict[str, float]:
     """Per arm, the learning rate with the highest validation AUC (mean over its runs)."""
-    by_arm: dict[str, dict[float, list[float]]] = {}
-    for r in runs:
-        by_arm.setdefault(r.arm, {}).setdefault(r.lr, []).append(auc(r))
-    return {arm: max(lrs, key=lambda lr: statistics.fmean(lrs[lr])) for arm, lrs in by_arm.items()}
+    means = mean_aucs(runs)
+    return {arm: max((lr for a, lr in means if a == arm), key=lambda lr: means[arm, lr])
+            for arm in dict.fromkeys(a for a, _ in means)}
 
 
 def step_sizes(policies: list[dict[str, Any]]) -> tuple[list[int], float | None]:
@@ -426,8 +433,7 @@ def write_lr_report(results_dir: Path, command: str, runs: Sequence[ArmRun], lab
     """`<results_dir>/learning_speed_lr.{md,json}` for `--select-lr`, the input of the measured runs (which
     copy it into their own results); returns the chosen lr per arm."""
     chosen = pick_lrs(runs)
-    mean_auc = {(arm, lr): statistics.fmean(auc(r) for r in runs if (r.arm, r.lr) == (arm, lr))
-                for arm, lr in {(r.arm, r.lr) for r in runs}}
+    mean_auc = mean_aucs(runs)
     table = ResultTable("learning rate per arm, chosen by validation AUC",
                         ["arm", "lr", "seed", "validation AUC", "mean AUC over seeds", "final validation reward",
                          "opt. steps", "chosen"])

@@ -25,6 +25,9 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
   setting them aside, and `hard+singletons` sends it one attempt at a time; `hard+baseline+replay` also
   trains each step on up to 8 earlier successes again (self-imitation, `train.replay_successes`),
   chosen on the validation split over `hard`, `hard+baseline` and `hard+replay` (replay alone);
+  `hard+defaults` runs the trainer with `serve --train`'s defaults instead of the demo's settings, as a
+  new user would, and `hard+defaults+baseline` adds `train.flat_groups=baseline` (run only when named:
+  they decide that setting's default on the validation split);
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
@@ -73,6 +76,8 @@ from bench.common import (
     run_started,
     write_results,
 )
+from tracetrain.config import TrainConfig
+from tracetrain.demo.run import DEMO_TRAINING
 
 NAME = "learning_arms"
 
@@ -87,6 +92,11 @@ class Arm:
     demo: tuple[str, ...] = ()
     """Flags for `tracetrain demo` itself (which agent runs)."""
 
+
+SERVE_DEFAULTS = tuple(f"train.{key}={json.dumps(getattr(TrainConfig(), key))}"
+                       for key, value in DEMO_TRAINING.items() if getattr(TrainConfig(), key) != value)
+"""`--set` values that undo the demo's trainer settings where they differ from `TrainConfig`'s defaults,
+so the trainer runs as `serve --train` does for a user who set nothing."""
 
 ARMS = {
     "grouped": Arm("8 attempts per problem, rewards at once (the demo)"),
@@ -106,6 +116,11 @@ ARMS = {
     "hard+baseline+replay": Arm("exact answers only, all-equal groups against the running baseline, up to 8 "
                                 "earlier successes trained on again per step", ("--reward", "exact"),
                                 ("train.flat_groups=baseline", "train.replay_successes=8")),
+    "hard+defaults": Arm("exact answers only, the trainer with serve --train's defaults (not the demo's)",
+                         ("--reward", "exact"), SERVE_DEFAULTS),
+    "hard+defaults+baseline": Arm("exact answers only, the trainer with serve --train's defaults and all-equal "
+                                  "groups against the running baseline", ("--reward", "exact"),
+                                  (*SERVE_DEFAULTS, "train.flat_groups=baseline")),
     "hard+singletons": Arm("exact answers only, one attempt per problem",
                            ("--reward", "exact", "--group-size", "1", "--no-group")),
     "grouped+disk": Arm("the demo's traffic; full weights published through disk, as before they went from memory",
@@ -129,8 +144,10 @@ ARMS = {
 }
 
 
-CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay")
-"""Multi-turn tasks tried on the validation split and not chosen: run only when named."""
+CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay", "hard+defaults",
+              "hard+defaults+baseline")
+"""Arms tried on the validation split and not (or not yet) chosen: run only when named. The `hard+defaults`
+pair measures whether `train.flat_groups: baseline` should become the default."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
 
 

@@ -93,8 +93,9 @@ class Arm:
     """Flags for `tracetrain demo` itself (which agent runs)."""
 
 
-SERVE_DEFAULTS = tuple(f"train.{key}={json.dumps(getattr(TrainConfig(), key))}"
-                       for key, value in DEMO_TRAINING.items() if getattr(TrainConfig(), key) != value)
+_DEFAULTS = TrainConfig()
+SERVE_DEFAULTS = tuple(f"train.{key}={json.dumps(getattr(_DEFAULTS, key))}"
+                       for key, value in DEMO_TRAINING.items() if getattr(_DEFAULTS, key) != value)
 """`--set` values that undo the demo's trainer settings where they differ from `TrainConfig`'s defaults,
 so the trainer runs as `serve --train` does for a user who set nothing."""
 

@@ -18,17 +18,19 @@ def _trained_with(arm: str, out: Path) -> TrainConfig:
     return TrainConfig.model_validate(yaml.safe_load(written.read_text())["train"])
 
 
+def _demo_keys(config: TrainConfig) -> dict[str, object]:
+    """The settings the demo pins, as `config` has them."""
+    return {key: getattr(config, key) for key in DEMO_TRAINING}
+
+
 @pytest.mark.parametrize("arm", ["hard+defaults", "hard+defaults+baseline"])
 def test_the_defaults_arms_train_with_the_trainers_defaults(arm: str, tmp_path: Path) -> None:
     trained, defaults = _trained_with(arm, tmp_path), TrainConfig()
-    def demo_keys(config: TrainConfig) -> dict[str, object]:
-        return {key: getattr(config, key) for key in DEMO_TRAINING}
-
-    assert demo_keys(trained) == demo_keys(defaults)
+    assert _demo_keys(trained) == _demo_keys(defaults)
     assert trained.flat_groups == ("baseline" if arm.endswith("+baseline") else defaults.flat_groups)
 
 
 def test_the_demos_own_settings_differ_from_the_defaults(tmp_path: Path) -> None:
     """Otherwise the arms above would compare nothing: the demo pins settings of its own."""
     trained = _trained_with("hard", tmp_path)
-    assert any(getattr(trained, key) != getattr(TrainConfig(), key) for key in DEMO_TRAINING)
+    assert _demo_keys(trained) != _demo_keys(TrainConfig())

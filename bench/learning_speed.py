@@ -31,6 +31,8 @@ agent's `--eval` mode, the training agent stopped and the trainer idle meanwhile
     python -m bench.learning_speed --minutes 20                              # seeds 0 1 2, both pairings
     python -m bench.learning_speed --pairings same-engine --seeds 0 --minutes 1.5 --eval-size 8 \\
         --eval-every 30 --results-dir /tmp/learning_speed                    # smoke test
+    python -m bench.learning_speed --pairings flat-groups --split validation --seeds 100 101 --minutes 15 \\
+        --name learning_speed_flat_groups      # tracetrain's batches with all-equal groups kept, as TRL's are
 
 Results: `bench/results/learning_speed.{md,json,png}`. `--select-lr` writes its choice to
 `bench/results/learning_speed_lr.{md,json}`, which the measured runs read and copy into their results, so
@@ -70,7 +72,16 @@ from bench.common import (
     provenance,
     run_started,
 )
-from bench.learning_speed_report import ArmClock, ArmRun, EvalPoint, Pairing, step_sizes, write_lr_report, write_report
+from bench.learning_speed_report import (
+    NAME,
+    ArmClock,
+    ArmRun,
+    EvalPoint,
+    Pairing,
+    step_sizes,
+    write_lr_report,
+    write_report,
+)
 from tracetrain.config import TrainConfig
 from tracetrain.demo import arithmetic
 from tracetrain.demo.run import AGENTS, DEMO_TRAINING, _wait_healthy, _write_config
@@ -137,19 +148,32 @@ class Arm:
     """tracetrain or trl"""
     engine: str
     """transformers or vllm (tracetrain's config), hf (TRL's HF generate)"""
+    train: tuple[tuple[str, Any], ...] = ()
+    """tracetrain `train.` settings of this arm on top of the bench's."""
+    lr_from: str | None = None
+    """The arm whose selected lr this one takes when the selection has none of its own: same trainer,
+    loss and optimizer, only the engine or one setting differs (selecting again would cost an hour)."""
 
 
 ARMS = {a.key: a for a in (
     Arm("tracetrain-transformers", "tracetrain + transformers engine", "tracetrain", "transformers"),
-    Arm("tracetrain-vllm", "tracetrain + vLLM", "tracetrain", "vllm"),
+    Arm("tracetrain-vllm", "tracetrain + vLLM", "tracetrain", "vllm", lr_from="tracetrain-transformers"),
     Arm("trl-hf", "TRL + HF generate", "trl", "hf"),
+    Arm("tracetrain-vllm-keep", "tracetrain + vLLM, all-equal groups kept", "tracetrain", "vllm",
+        train=(("flat_groups", "keep"),), lr_from="tracetrain-vllm"),
 )}
 PAIRINGS: dict[str, Pairing] = {
     "same-engine": ("same-engine", "same engine: tracetrain + in-process transformers engine vs TRL + HF generate",
                     ("tracetrain-transformers", "trl-hf")),
     "best-engine": ("best-engine", "best engine each: tracetrain + vLLM vs TRL + HF generate (TRL + vLLM cannot "
                     "run here, see notes)", ("tracetrain-vllm", "trl-hf")),
+    "flat-groups": ("flat-groups", "tracetrain + vLLM with all-equal groups set aside and replaced (the default) vs "
+                    "kept with zero advantage, as TRL's batches are (train.flat_groups keep)",
+                    ("tracetrain-vllm", "tracetrain-vllm-keep")),
 }
+MEASURED_PAIRINGS = ["same-engine", "best-engine"]
+"""The pairings of the TRL comparison (the default). `flat-groups` is a study of tracetrain's own batches,
+run on the validation split (`--split validation --seeds 100 101 --name learning_speed_flat_groups`)."""
 LABELS = {key: arm.label for key, arm in ARMS.items()}
 
 
@@ -222,13 +246,18 @@ def _stop(process: subprocess.Popen[bytes], grace: float = 60.0) -> None:
 
 def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     clock = ArmClock()
-    arm = ARMS[spec.arm]
-    overrides: dict[str, Any] = {"lr": spec.lr, "seed": spec.seed}
-    if arm.engine == "transformers":
-        overrides["publish"] = "inprocess"  # the in-process engine swaps the weights itself
     port = free_port()
-    config = _write_config(out, port, free_port(), arm.engine, {"train": overrides})
-    return run_gateway(spec, arm.label, config, port, out, clock)
+    config = _write_config(out, port, free_port(), ARMS[spec.arm].engine, {"train": train_settings(spec)})
+    return run_gateway(spec, ARMS[spec.arm].label, config, port, out, clock)
+
+
+def train_settings(spec: RunSpec) -> dict[str, Any]:
+    """The `train.` settings a tracetrain run adds to the demo's: the arm's own, its lr and seed."""
+    arm = ARMS[spec.arm]
+    settings: dict[str, Any] = {**dict(arm.train), "lr": spec.lr, "seed": spec.seed}
+    if arm.engine == "transformers":
+        settings["publish"] = "inprocess"  # the in-process engine swaps the weights itself
+    return settings
 
 
 def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, clock: ArmClock) -> ArmRun:
@@ -453,16 +482,28 @@ def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[st
             lrs[arm] = (given[arm], "--lr override")
         elif arm in chosen:
             lrs[arm] = (float(chosen[arm]), f"chosen on the validation split by --select-lr, {lr_file.name}")
-        elif arm == "tracetrain-vllm" and "tracetrain-transformers" in chosen:
-            # Same trainer, loss and optimizer; only the generation engine differs, so the lr chosen
-            # for tracetrain + transformers carries over (selecting it again would cost another hour).
-            lrs[arm] = (float(chosen["tracetrain-transformers"]), "tracetrain + transformers engine's lr chosen on "
-                        f"the validation split by --select-lr ({lr_file.name}): same trainer, only the engine differs")
+        elif (source := _lr_source(arm, chosen)) is not None:
+            lrs[arm] = (float(chosen[source]), f"{ARMS[source].label}'s lr chosen on the validation split by "
+                        f"--select-lr ({lr_file.name}): same trainer, only {_difference(arm, source)} differs")
         else:
             lrs[arm] = (DEMO.lr, f"DEMO_TRAINING's lr: no --lr and no selection for this arm in {lr_file.name} "
                                  "(run --select-lr first)")
             console.print(f"[yellow]{ARMS[arm].label}: lr {DEMO.lr:g} from DEMO_TRAINING, not selected[/yellow]")
     return lrs
+
+
+def _lr_source(arm: str, chosen: dict[str, Any]) -> str | None:
+    """The first arm up `arm`'s `lr_from` chain with a selected lr."""
+    source = ARMS[arm].lr_from
+    while source is not None and source not in chosen:
+        source = ARMS[source].lr_from
+    return source
+
+
+def _difference(arm: str, source: str) -> str:
+    mine, theirs = ARMS[arm], ARMS[source]
+    changed = [f"train.{k} {v}" for k, v in mine.train if (k, v) not in theirs.train]
+    return ", ".join(([] if mine.engine == theirs.engine else ["the engine"]) + changed) or "nothing"
 
 
 def lr_selection(lr_file: Path) -> dict[str, Any]:
@@ -493,8 +534,8 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"each run: a fresh process, {args.minutes:g} min on the arm's clock from before its start (start-up "
         "included, evaluations excluded: the clock stops while an arm evaluates, and tracetrain's training agent is "
         "stopped and its trainer idle meanwhile), then a final evaluation; held-out evaluation of "
-        f"held_out({args.eval_size}, 'test') (fixed, disjoint from TRAIN), greedy, {MAX_TOKENS} answer tokens, every "
-        f"{args.eval_every:g} s of the arm's clock; arms one at a time, the order rotated per seed: "
+        f"held_out({args.eval_size}, '{args.split}') (fixed, disjoint from TRAIN), greedy, {MAX_TOKENS} answer "
+        f"tokens, every {args.eval_every:g} s of the arm's clock; arms one at a time, the order rotated per seed: "
         + "; ".join(f"seed {s}: {', '.join(LABELS[a] for a in arms)}" for s, arms in order.items()),
         f"identical in every arm: SmolLM2-135M-Instruct float32, the agent's prompts for TRAIN problems drawn by "
         f"make_problem(random.Random(seed)) in order, its score, max {MAX_TOKENS} answer tokens, temperature "
@@ -549,17 +590,18 @@ def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
 def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) -> None:
     started = run_started()
     lrs = resolve_lrs(arms, args.lr, args.lr_file)
-    args.eval_size = args.eval_size or len(arithmetic.TEST)
+    args.eval_size = args.eval_size or len(arithmetic.TEST if args.split == "test" else arithmetic.VALIDATION)
     order = {seed: rotated(arms, k) for k, seed in enumerate(args.seeds)}
-    specs = [RunSpec(arm, seed, lrs[arm][0], args.minutes, args.eval_every, args.eval_size, "test", position)
+    specs = [RunSpec(arm, seed, lrs[arm][0], args.minutes, args.eval_every, args.eval_size, args.split, position)
              for seed, arms_in_order in order.items() for position, arm in enumerate(arms_in_order)]
     partial = args.results_dir / f"{args.output}.partial.json"
     runs, commits = run_all(specs, args.output, partial, resume=args.resume)
     raw = {"commits": commits, "args": _jsonable(args),
            "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
            "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
-    write_report(args.results_dir, HEADING, _command(), pairings, runs, LABELS, lrs, args.threshold,
-                 _settings_notes(args, runs, order), raw, started)
+    heading = HEADING if args.name == NAME else f"{HEADING}: {args.name} ({args.split} split)"
+    write_report(args.results_dir, heading, _command(), pairings, runs, LABELS, lrs, args.threshold,
+                 _settings_notes(args, runs, order), raw, started, name=args.name)
     partial.unlink()  # the report holds every run now
 
 
@@ -602,7 +644,7 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.learning_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairings", nargs="+", choices=list(PAIRINGS), default=list(PAIRINGS))
+    parser.add_argument("--pairings", nargs="+", choices=list(PAIRINGS), default=MEASURED_PAIRINGS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="measured seeds (not with --select-lr)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="budget per run on the arm's clock: start-up included, evaluations excluded (default "
@@ -612,6 +654,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-size", type=int, default=None,
                         help=f"held-out problems per evaluation (default: the whole split, test {len(arithmetic.TEST)}"
                              f", validation {len(arithmetic.VALIDATION)})")
+    parser.add_argument("--split", choices=["test", "validation"], default="test",
+                        help="held-out split of the measured runs; validation for studies that choose a setting "
+                             "(never chosen on test curves)")
+    parser.add_argument("--name", default=NAME,
+                        help="stem of the results files (bench/results/NAME.{md,json,png}) and scratch directory "
+                             "of the measured runs")
     parser.add_argument("--threshold", type=float, default=THRESHOLD, help="held-out reward whose crossing is timed")
     parser.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE",
                         help=f"learning rate of an arm ({', '.join(ARMS)}) instead of the selected one")
@@ -635,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     args.minutes = args.minutes or (8.0 if args.select_lr else 20.0)
     args.lr_file = args.lr_file or args.results_dir / LR_FILE.name
     # the runs' scratch directories under bench/out/learning_speed/
-    args.output = "learning_speed_lr" if args.select_lr else "learning_speed"
+    args.output = f"{NAME}_lr" if args.select_lr else args.name
     pairings = [PAIRINGS[p] for p in dict.fromkeys(args.pairings)]
     if args.from_json:
         rerender(args, pairings)

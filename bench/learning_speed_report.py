@@ -363,7 +363,8 @@ def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels
     import matplotlib.pyplot as plt
     import numpy as np
 
-    colors = {"tracetrain-transformers": "tab:green", "tracetrain-vllm": "tab:olive", "trl-hf": "tab:blue"}
+    colors = {"tracetrain-transformers": "tab:green", "tracetrain-vllm": "tab:olive", "trl-hf": "tab:blue",
+              "tracetrain-vllm-keep": "tab:orange"}
     fig, axes = plt.subplots(len(pairings), 2, figsize=(13, 4.6 * len(pairings)), squeeze=False)
     for (key, _, arms), (by_time, by_step) in zip(pairings, axes, strict=True):
         for arm in arms:
@@ -399,8 +400,8 @@ def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels
 def write_report(results_dir: Path, heading: str, command: str, pairings: Sequence[Pairing],
                  runs: Sequence[ArmRun], labels: dict[str, str], lrs: dict[str, tuple[float, str]], threshold: float,
                  notes: Sequence[str], raw: dict[str, Any], started: RunStart,
-                 info: dict[str, Any] | None = None) -> Path:
-    """`<results_dir>/learning_speed.{md,json,png}`: per pairing a summary and a per-step table, every run, the
+                 info: dict[str, Any] | None = None, name: str = NAME) -> Path:
+    """`<results_dir>/<name>.{md,json,png}`: per pairing a summary and a per-step table, every run, the
     lr selection the learning rates came from (when `raw` holds it), notes."""
     tables = []
     for key, title, arms in pairings:
@@ -418,10 +419,10 @@ def write_report(results_dir: Path, heading: str, command: str, pairings: Sequen
     for line in verdict:
         console.print(line, highlight=False)
     results_dir.mkdir(parents=True, exist_ok=True)
-    png = results_dir / f"{NAME}.png"
+    png = results_dir / f"{name}.png"
     plot(png, pairings, runs, labels, threshold, heading)
     lr_notes = [f"lr of {labels[arm]}: {lr:g} ({source})" for arm, (lr, source) in lrs.items()]
-    path = write_results(NAME, heading, command, tables, [*verdict, *lr_notes, *notes, f"plot: `{png.name}`"],
+    path = write_results(name, heading, command, tables, [*verdict, *lr_notes, *notes, f"plot: `{png.name}`"],
                          raw={**raw, "runs": [asdict(r) for r in runs]}, started=started, results_dir=results_dir,
                          info=info)
     console.print(f"results: {path}, {png}")

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from sqlmodel import Session, select
 
 from tracetrain.config import TrainConfig
@@ -100,7 +101,8 @@ def test_unusable_sessions_are_set_aside_not_consumed_and_replaced(db_url: str, 
                                           include_set_aside=True)) == ["flat-0", "flat-1", "stale-0", "stale-1"]
 
 
-def test_flat_groups_stay_in_the_batch_when_trained_against_the_baseline(db_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flat_groups", ["baseline", "keep"])
+def test_flat_groups_stay_in_the_batch_unless_set_aside(db_url: str, tmp_path: Path, flat_groups: str) -> None:
     db = open_db(db_url)
     with Session(db) as s:
         _add(s, "flat-0", "g-flat", 0.0, version=3, age_s=1)
@@ -108,7 +110,7 @@ def test_flat_groups_stay_in_the_batch_when_trained_against_the_baseline(db_url:
         _add(s, "x-0", "g-x", 0.0, version=3, age_s=10)
         _add(s, "x-1", "g-x", 1.0, version=3, age_s=10)
         s.commit()
-    batch = _gatherer(db_url, tmp_path, flat_groups="baseline").gather(3)
+    batch = _gatherer(db_url, tmp_path, flat_groups=flat_groups).gather(3)
     assert batch is not None
     assert sorted(batch.session_ids) == ["flat-0", "flat-1", "x-0", "x-1"]
     assert sum(batch.set_aside.values()) == 0

@@ -169,3 +169,30 @@ def test_batches_split_over_workers_by_token_count() -> None:
     assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
     assert loads == [1200, 1250]  # by count it would be 4 vs 3 samples, 1700 vs 750 tokens
     assert balance([10], 3) == [[0], [], []], "fewer samples than workers leaves shares empty"
+
+
+def test_kept_flat_groups_get_zero_advantage_and_dilute_the_token_mean() -> None:
+    """`flat_groups: keep` (TRL's batches): an all-equal group adds no gradient of its own, but its
+    tokens join the token-mean's denominator, so the step is the usable groups' gradient scaled by
+    their share of the batch's sampled tokens."""
+    mixed = [_sample("mixed", 1.0, n_sampled=2), _sample("mixed", 0.0, n_sampled=2)]
+    flat = [_sample("flat", 0.0, n_sampled=3), _sample("flat", 0.0, n_sampled=3)]
+    cfg = TrainConfig(advantage="rloo", flat_groups="keep")
+    assert rl_advantages(mixed + flat, cfg, RunningBaseline(momentum=0.5))[2:] == [0.0, 0.0]
+
+    def gradient(samples: list[Sample]) -> torch.Tensor:
+        advantages = rl_advantages(samples, cfg, RunningBaseline(momentum=0.5))
+        mb = collate(samples, list(range(len(samples))), pad_id=0)
+        logprobs = torch.full(mb.mask.shape, -1.0, requires_grad=True)
+        config = verl_ops.actor_config("vanilla", clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
+                                       loss_agg_mode="token-mean", batch_num_tokens=int(mb.mask.sum()),
+                                       global_batch_size=len(samples))
+        loss, _ = verl_ops.policy_loss("vanilla", logprobs.detach(), logprobs,
+                                       torch.tensor(advantages).unsqueeze(1) * mb.mask, mb.mask, config)
+        loss.backward()
+        assert logprobs.grad is not None
+        return logprobs.grad[:2]
+
+    usable, diluted = gradient(mixed), gradient(mixed + flat)
+    assert usable.abs().sum() > 0
+    assert torch.allclose(diluted[:, : usable.shape[1]], usable * 4 / 10)  # 4 usable of 10 sampled tokens

@@ -6,9 +6,9 @@ baseline) so that more groups take their place: DAPO's dynamic sampling (Yu et a
 Open-Source LLM Reinforcement Learning System at Scale", section 3.2), with a deadline instead of a
 count of generation batches because generation here is whoever the agents are, not the trainer.
 With `flat_groups: baseline` such groups are kept and trained against the running baseline instead
-(trainer/step.py's `rl_advantages`). A step waits for `batch_sessions` usable sessions; with at least
-`min_sessions` it waits at most `fill_timeout_s` more; with fewer it waits as long as it takes rather
-than train on a handful.
+(trainer/step.py's `rl_advantages`); with `keep` they are kept with zero advantage. A step waits for
+`batch_sessions` usable sessions; with at least `min_sessions` it waits at most `fill_timeout_s` more;
+with fewer it waits as long as it takes rather than train on a handful.
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""The learning-speed bench's arms: which lr an arm without its own selection takes, and what it trains with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.learning_speed import ARMS, RunSpec, resolve_lrs, train_settings
+from tracetrain.config import TrainConfig
+from tracetrain.demo.run import DEMO_TRAINING, _write_config
+
+
+def _selection(tmp_path: Path, chosen: dict[str, float]) -> Path:
+    path = tmp_path / "learning_speed_lr.json"
+    path.write_text(json.dumps({"raw": {"chosen": chosen}}))
+    return path
+
+
+def test_an_arm_without_a_selection_takes_its_nearest_selected_relative(tmp_path: Path) -> None:
+    arms = ["tracetrain-vllm", "tracetrain-vllm-keep"]
+    own = resolve_lrs(arms, [], _selection(tmp_path, {"tracetrain-transformers": 2e-4, "tracetrain-vllm": 4e-4}))
+    assert own["tracetrain-vllm"][0] == 4e-4 and "chosen on the validation split" in own["tracetrain-vllm"][1]
+    assert own["tracetrain-vllm-keep"][0] == 4e-4
+    assert "only train.flat_groups keep differs" in own["tracetrain-vllm-keep"][1]
+    chained = resolve_lrs(arms, [], _selection(tmp_path, {"tracetrain-transformers": 2e-4}))
+    assert chained["tracetrain-vllm-keep"][0] == 2e-4
+    assert "only the engine, train.flat_groups keep differs" in chained["tracetrain-vllm-keep"][1]
+    assert resolve_lrs(arms, ["tracetrain-vllm-keep=1e-3"], _selection(tmp_path, {}))["tracetrain-vllm-keep"] == (
+        1e-3, "--lr override")
+
+
+@pytest.mark.parametrize(("arm", "flat_groups", "publish"), [("tracetrain-vllm", "set_aside", "reload"),
+                                                              ("tracetrain-vllm-keep", "keep", "reload"),
+                                                              ("tracetrain-transformers", "set_aside", "inprocess")])
+def test_each_tracetrain_arm_serves_with_its_own_settings(arm: str, flat_groups: str, publish: str,
+                                                          tmp_path: Path) -> None:
+    spec = RunSpec(arm, seed=3, lr=2e-4, minutes=1, eval_every=30, eval_size=8, split="validation", order=0)
+    config = _write_config(tmp_path, 8000, 8001, ARMS[arm].engine, {"train": train_settings(spec)})
+    train = TrainConfig.model_validate(yaml.safe_load(config.read_text())["train"])
+    assert (train.flat_groups, train.publish, train.lr, train.seed) == (flat_groups, publish, 2e-4, 3)
+    assert train.model_dump(exclude={"flat_groups", "publish", "lr", "seed", "checkpoint_dir"}) == \
+        TrainConfig.model_validate(DEMO_TRAINING).model_dump(exclude={"flat_groups", "publish", "lr", "seed",
+                                                                      "checkpoint_dir"})

@@ -60,6 +60,7 @@ from typing import Any
 import httpx
 from rich.markup import escape
 
+from bench import sharpening
 from bench.common import (
     OUT_DIR,
     REPO_ROOT,
@@ -248,7 +249,9 @@ def run_tracetrain(spec: RunSpec, out: Path) -> ArmRun:
     clock = ArmClock()
     port = free_port()
     config = _write_config(out, port, free_port(), ARMS[spec.arm].engine, {"train": train_settings(spec)})
-    return run_gateway(spec, ARMS[spec.arm].label, config, port, out, clock)
+    run = run_gateway(spec, ARMS[spec.arm].label, config, port, out, clock)
+    run.sharpening = sharpening.of_store(out / "store.db")
+    return run
 
 
 def train_settings(spec: RunSpec) -> dict[str, Any]:

@@ -103,6 +103,8 @@ class ArmRun:
     trained_after_drain: int | None = None
     """Sessions learned from once the drain ended (all generated within the budget)."""
     set_aside_after_drain: dict[str, int] = field(default_factory=dict)
+    sharpening: list[dict[str, Any]] = field(default_factory=list)
+    """tracetrain: how its sampling sharpened, per window of versions (`bench.sharpening.windows`)."""
     ready_after_drain: int | None = None
     """Finished sessions still unused after the drain (fewer than a batch)."""
 
@@ -288,6 +290,26 @@ def runs_table(runs: Sequence[ArmRun], labels: dict[str, str], threshold: float)
     return table
 
 
+def sharpening_table(runs: Sequence[ArmRun], labels: dict[str, str]) -> ResultTable:
+    """Per tracetrain run, its sampling in the first and the last window of versions holding at least
+    `SHARPENING_MIN_GROUPS` groups (the last window is often a step's remnant): a collapse shows as fewer
+    distinct completions, sampled tokens near logprob 0, and all-equal groups taking over."""
+    table = ResultTable("how each tracetrain run's sampling sharpened: first → last window of 5 versions "
+                        "(bench.sharpening)",
+                        ["arm", "seed", "versions", "distinct completions per group of 8", "sampled-token logprob",
+                         "all-equal groups", "training reward"])
+    for r in sorted((r for r in runs if r.sharpening), key=lambda r: (r.arm, r.seed)):
+        full = [w for w in r.sharpening if w["groups"] >= SHARPENING_MIN_GROUPS] or r.sharpening
+        a, b = full[0], full[-1]
+        table.add(labels[r.arm], r.seed, f"{a['first']}-{a['last']} → {b['first']}-{b['last']}",
+                  f"{a['distinct']:.1f} → {b['distinct']:.1f}", f"{a['logprob']:.2f} → {b['logprob']:.2f}",
+                  f"{a['all_equal']:.0%} → {b['all_equal']:.0%}", f"{a['reward']:.3f} → {b['reward']:.3f}")
+    return table
+
+
+SHARPENING_MIN_GROUPS = 10
+
+
 def _compare(name: str, detail: str, ours: Spread, theirs: Spread, higher_better: bool,
              fmt: Callable[[float], str], labels: tuple[str, str]) -> tuple[str, str, bool]:
     """(metric name, a sentence on which arm wins it by mean and whether the seeds' ranges overlap, whether
@@ -409,6 +431,8 @@ def write_report(results_dir: Path, heading: str, command: str, pairings: Sequen
         tables.append(step_table(f"{key}: held-out reward per optimizer step, mean (min-max) over seeds", arms, runs,
                                  labels))
     tables.append(runs_table(runs, labels, threshold))
+    if any(r.sharpening for r in runs):
+        tables.append(sharpening_table(runs, labels))
     selection = raw.get("lr_selection")
     if selection:
         tables += [ResultTable(**{**record, "title": f"lr selection: {record['title']}"})

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench.common import run_started
-from bench.learning_speed_report import ArmRun, EvalPoint, time_ratio, write_lr_report
+from bench.learning_speed_report import ArmRun, EvalPoint, sharpening_table, time_ratio, write_lr_report
 
 NAMES = ("tracetrain + vLLM", "TRL + HF generate")
 
@@ -54,3 +54,16 @@ def test_the_lr_chosen_is_the_best_mean_over_seeds_not_the_best_single_run(tmp_p
     assert [(row[1], row[2]) for row in rows] == [("0.0002", "100"), ("0.0002", "101"),
                                                   ("0.0004", "100"), ("0.0004", "101")]
     assert [row[-1] for row in rows] == ["yes", "yes", "", ""]
+
+
+def test_the_sharpening_table_compares_the_first_and_last_full_windows() -> None:
+    def window(first: int, groups: int, distinct: float) -> dict[str, float]:
+        return {"first": first, "last": first + 4, "groups": groups, "distinct": distinct, "logprob": -distinct / 5,
+                "all_equal": 1 / distinct, "reward": 0.4}
+
+    collapsing = run("tracetrain-vllm", 0, None)
+    collapsing.sharpening = [window(0, 20, 5.0), window(5, 30, 2.0), window(10, 3, 4.0)]  # 10-14: a step's remnant
+    trl = run("trl-hf", 0, 300)
+    table = sharpening_table([collapsing, trl], {"tracetrain-vllm": "tracetrain + vLLM", "trl-hf": "TRL"})
+    assert table.rows == [["tracetrain + vLLM", "0", "0-4 → 5-9", "5.0 → 2.0", "-1.00 → -0.40", "20% → 50%",
+                           "0.400 → 0.400"]]

@@ -609,15 +609,15 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
 
 
 def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
-    """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes re-read from
-    the policies in its store (bench/out/learning_speed/learning_speed/<run>/store.db) when it is still there.
+    """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes and sharpening
+    re-read from its store (bench/out/learning_speed/learning_speed/<run>/store.db) when it is still there.
     The runs' own provenance is kept; a JSON from before provenance was recorded says so instead."""
     from sqlmodel import Session
 
     from tracetrain.store import queries
     from tracetrain.store.db import connect_db
 
-    document = json.loads((RESULTS_DIR / "learning_speed.json").read_text())
+    document = json.loads((args.results_dir / f"{args.name}.json").read_text())
     started = run_started()
     info = document.get("provenance") or {
         **provenance(started), "note": "re-rendered with --from-json from runs whose provenance was not recorded; "
@@ -633,15 +633,17 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
             policies = [p.model_dump(mode="json") for p in queries.list_policies(db)]
         run.step_samples, run.sessions_per_step = step_sizes(policies)
         run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
+        run.sharpening = sharpening.of_store(store)
         reread += 1
-    saved = argparse.Namespace(**raw["args"])
+    saved = argparse.Namespace(**{"split": "test", "name": NAME, **raw["args"]})  # older runs had neither
     order = {int(seed): arms for seed, arms in raw["order"].items()}
     lrs = {arm: (float(lr), source) for arm, (lr, source) in raw["lrs"].items()}
     command = f"python -m bench.learning_speed --minutes {saved.minutes:g}"
     notes = [*_settings_notes(saved, runs, order),
-             f"report re-rendered with --from-json; step sizes of {reread} tracetrain runs re-read from their stores"]
-    write_report(args.results_dir, HEADING, command, pairings, runs, LABELS, lrs, raw["threshold"], notes,
-                 {k: v for k, v in raw.items() if k != "runs"}, started, info)
+             f"report re-rendered with --from-json; step sizes and sharpening of {reread} tracetrain runs re-read "
+             "from their stores"]
+    write_report(args.results_dir, document.get("heading", HEADING), command, pairings, runs, LABELS, lrs,
+                 raw["threshold"], notes, {k: v for k, v in raw.items() if k != "runs"}, started, info, name=args.name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -677,7 +679,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the seeds every lr of --select-lr runs with (at least 2 for a choice that is not one "
                              "seed's luck)")
     parser.add_argument("--from-json", action="store_true",
-                        help="re-render bench/results/learning_speed.{md,json,png} from its JSON, no runs")
+                        help="re-render bench/results/NAME.{md,json,png} from its JSON, no runs")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs an earlier sitting of the same command saved (same minutes, evaluation "
                              "settings and split) and run only the rest")

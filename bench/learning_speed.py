@@ -487,7 +487,7 @@ def resolve_lrs(arms: list[str], overrides: list[str], lr_file: Path) -> dict[st
             lrs[arm] = (float(chosen[arm]), f"chosen on the validation split by --select-lr, {lr_file.name}")
         elif (source := _lr_source(arm, chosen)) is not None:
             lrs[arm] = (float(chosen[source]), f"{ARMS[source].label}'s lr chosen on the validation split by "
-                        f"--select-lr ({lr_file.name}): same trainer, only {_difference(arm, source)} differs")
+                        f"--select-lr ({lr_file.name}): same trainer, differing only in {_difference(arm, source)}")
         else:
             lrs[arm] = (DEMO.lr, f"DEMO_TRAINING's lr: no --lr and no selection for this arm in {lr_file.name} "
                                  "(run --select-lr first)")

@@ -24,10 +24,10 @@ def test_an_arm_without_a_selection_takes_its_nearest_selected_relative(tmp_path
     own = resolve_lrs(arms, [], _selection(tmp_path, {"tracetrain-transformers": 2e-4, "tracetrain-vllm": 4e-4}))
     assert own["tracetrain-vllm"][0] == 4e-4 and "chosen on the validation split" in own["tracetrain-vllm"][1]
     assert own["tracetrain-vllm-keep"][0] == 4e-4
-    assert "only train.flat_groups keep differs" in own["tracetrain-vllm-keep"][1]
+    assert "differing only in train.flat_groups keep" in own["tracetrain-vllm-keep"][1]
     chained = resolve_lrs(arms, [], _selection(tmp_path, {"tracetrain-transformers": 2e-4}))
     assert chained["tracetrain-vllm-keep"][0] == 2e-4
-    assert "only the engine, train.flat_groups keep differs" in chained["tracetrain-vllm-keep"][1]
+    assert "differing only in the engine, train.flat_groups keep" in chained["tracetrain-vllm-keep"][1]
     assert resolve_lrs(arms, ["tracetrain-vllm-keep=1e-3"], _selection(tmp_path, {}))["tracetrain-vllm-keep"] == (
         1e-3, "--lr override")
 

@@ -87,6 +87,25 @@ def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_p
     assert policy.metrics["staleness"] == {"0": 1, "1": 1} and policy.metrics["sessions"] == 2
 
 
+def test_kept_flat_groups_are_trained_on_and_consumed(tiny_model_path: Path, tmp_path: Path) -> None:
+    """`flat_groups: keep` (TRL's batches): an all-equal group is consumed by the step, with zero advantage."""
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
+    db = open_db(db_url)
+    with Session(db) as s:
+        for sid, group, reward in (("flat-1", "g-flat", 1.0), ("flat-2", "g-flat", 1.0),
+                                   ("good-1", "g-good", 1.0), ("good-2", "g-good", 0.0)):
+            add_session(s, sid, group, reward)
+        s.commit()
+    trainer = _trainer(tiny_model_path, tmp_path, db_url, flat_groups="keep")
+    assert trainer.step_once() and trainer.version == 1
+    assert trainer.counts["zero_variance"] == 0 and trainer.counts["samples"] == 4
+    with Session(db) as s:
+        rows = {row.id: (row.trained_version, row.skip_reason) for row in s.exec(select(AgentSession)).all()}
+        policy = s.get(Policy, ("default", 1))
+    assert rows == {sid: (1, None) for sid in ("flat-1", "flat-2", "good-1", "good-2")}
+    assert policy is not None and policy.metrics["sessions"] == 4 and not any(policy.metrics["set_aside"].values())
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_trainer_resumes_from_its_last_checkpoint(tiny_model_path: Path, tmp_path: Path, lora: bool) -> None:
     db_url = f"sqlite:///{tmp_path / 't.db'}"

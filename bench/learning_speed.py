@@ -374,8 +374,8 @@ def _agent_paused(agent: subprocess.Popen[bytes] | None, url: str, clock: ArmClo
 
 
 def _tracetrain_optimizer() -> str:
-    source = (REPO_ROOT / "tracetrain" / "trainer" / "loop.py").read_text()
-    return "AdamW(fused=True)" if "fused=True" in source else "AdamW (fused=True not found in trainer/loop.py)"
+    source = (REPO_ROOT / "tracetrain" / "trainer" / "local_backend.py").read_text()
+    return "AdamW(fused=True)" if "fused=True" in source else "AdamW (fused=True not found in trainer/local_backend.py)"
 
 
 # --- TRL arm -----------------------------------------------------------------------------------------
@@ -520,6 +520,12 @@ def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
+def _commits_note(commits: list[str]) -> str:
+    return (f"runs made at git {', '.join(c[:12] for c in commits)}" + (
+        " (resumed over several sittings; nothing between those commits changes what is trained or timed)"
+        if len(commits) > 1 else "") + "; the provenance line above is the report's")
+
+
 def _command() -> str:
     return command_line("bench.learning_speed")
 
@@ -606,7 +612,7 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
            "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
     heading = HEADING if args.name == NAME else f"{HEADING}: {args.name} ({args.split} split)"
     write_report(args.results_dir, heading, _command(), pairings, runs, LABELS, lrs, args.threshold,
-                 _settings_notes(args, runs, order), raw, started, name=args.name)
+                 [*_settings_notes(args, runs, order), _commits_note(commits)], raw, started, name=args.name)
     partial.unlink()  # the report holds every run now
 
 
@@ -641,7 +647,8 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     order = {int(seed): arms for seed, arms in raw["order"].items()}
     lrs = {arm: (float(lr), source) for arm, (lr, source) in raw["lrs"].items()}
     command = f"python -m bench.learning_speed --minutes {saved.minutes:g}"
-    notes = [*_settings_notes(saved, runs, order),
+    notes = [*_settings_notes(saved, runs, order), *([_commits_note(raw["commits"])] if raw.get("commits") else []),
+             *raw.get("corrections", []),
              f"report re-rendered with --from-json; step sizes and sharpening of {reread} tracetrain runs re-read "
              "from their stores"]
     write_report(args.results_dir, document.get("heading", HEADING), command, pairings, runs, LABELS, lrs,

@@ -22,12 +22,14 @@ from sqlmodel import Session
 
 from tests.support.recording import RecordingEngine
 from tests.support.servers import RunningGateway, start_gateway
+from tests.support.sessions import add_session
 from tests.support.setup_steps import CHROMIUM_MISSING, PLAYWRIGHT_MISSING
 from tests.support.tool_model import ADD_TOOL
 from tracetrain.config import TrainConfig
 from tracetrain.engines.transformers_engine import TransformersEngine
 from tracetrain.engines.transformers_publish import InProcessPublisher
 from tracetrain.proxy.auth import fingerprint
+from tracetrain.store import leases
 from tracetrain.store.db import open_db
 from tracetrain.store.models import Policy, utcnow
 from tracetrain.trainer.loop import Trainer
@@ -391,6 +393,20 @@ def test_a_gateway_without_keys_opens_the_console_directly(gateway: RunningGatew
     sync_api.expect(page.locator("#login")).to_be_hidden()
     page.click("#nav >> text=Sessions")
     assert _listed(page) == ["loop-1"]
+
+
+def test_the_policies_page_says_why_sessions_go_stale(gateway: RunningGateway, page: Any) -> None:
+    with Session(gateway.gateway.db) as s:
+        for i in range(40):  # rewarded after the trainer moved on two versions
+            add_session(s, f"late-{i}", f"g-{i // 8}", float(i % 2), version=0)
+        s.commit()
+        leases.set_aside_stale(s, min_version=1)
+    page.goto(f"{gateway.url}/ui/#/policies")
+    hint = page.locator("#policy-hints .hint")
+    sync_api.expect(hint).to_have_count(1)
+    sync_api.expect(hint).to_contain_text("40 finished sessions were set aside as stale")
+    sync_api.expect(hint).to_contain_text("train.max_staleness (1)")
+    _shot(page, "policies_stale_hint", "#policy-hints")
 
 
 def test_an_admin_marks_a_session_never_to_be_trained_and_sees_purged_ones(console: Console, page: Any) -> None:

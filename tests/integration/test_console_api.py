@@ -542,3 +542,19 @@ def test_capture_stats_count_chained_calls_segment_starts_and_set_asides(keyed: 
     total = stats["total"]
     assert (total["calls"], total["chained"], total["chained_share"]) == (4, 1, 0.5)
     assert total["segment_starts"] == {"prefix_changed": 1, "start": 2} and total["set_aside"] == {"excluded": 1}
+
+
+def test_the_policies_listing_explains_sessions_piling_up_as_stale(keyed: RunningGateway) -> None:
+    """Late rewards at the default staleness bound: the listing says, in words, why sessions go unused and
+    which setting lets the trainer use them; a few stale sessions beside much training say nothing."""
+    with Session(keyed.gateway.db) as s:
+        for i in range(40):
+            add_session(s, f"late-{i}", f"g-{i // 8}", float(i % 2), version=0)
+        s.commit()
+        assert leases.set_aside_stale(s, min_version=1) == 40  # the trainer has moved on 2 versions
+    hints = _get(keyed, "/v1/policies", ADMIN).json()["hints"]
+    assert len(hints) == 1
+    assert hints[0].startswith("40 finished sessions were set aside as stale, against 0 trained on")
+    assert "train.max_staleness (1)" in hints[0]
+    assert _get(keyed, "/v1/policies", ADMIN, policy="default").json()["hints"] == hints
+

@@ -676,10 +676,11 @@ function promotionBadge(p, canaries) {
 function policiesPage(view, params) {
   const policy = selectedPolicy(params);
   const summary = el("p", { id: "policy-sessions" });
+  const hints = el("div", { id: "policy-hints" });
   const byVersion = el("div", { class: "chart", id: "chart-version" });
   const byTime = el("div", { class: "chart", id: "chart-time" });
   const table = el("table", { id: "policies" });
-  view.append(scopeTitle("Policies", policy), summary, el("div", { class: "charts" }, byVersion, byTime),
+  view.append(scopeTitle("Policies", policy), summary, hints, el("div", { class: "charts" }, byVersion, byTime),
     el("h2", {}, "Versions"), table);
   let drawn = -1;
   live(async () => {
@@ -696,6 +697,7 @@ function policiesPage(view, params) {
     summary.textContent = `Serving ${serving.join(", ")}. ` +
       (trials.length ? `Canary on trial: ${trials.join(", ")}. ` : "") +
       `Sessions ready for the trainer: ${s.ready}; claimed by a step: ${s.leased}; set aside: ${counts(s.set_aside)}.`;
+    hints.replaceChildren(...(listed.hints || []).map((text) => el("p", { class: "hint" }, text)));
     const trained = listed.data.filter((p) => p.version > 0 && p.metrics.reward_mean !== undefined);
     if (trained.length !== drawn) {  // redraw only when a version appeared
       drawn = trained.length;

@@ -22,6 +22,7 @@ from tracetrain.engines.publishing import ADAPTER_CONFIG, Checkpoint, PublishErr
 from tracetrain.proxy.auth import AdminDep
 from tracetrain.proxy.errors import APIError, refusal
 from tracetrain.proxy.gateway import Gateway, GatewayDep
+from tracetrain.proxy.hints import stale_hint
 from tracetrain.proxy.openapi import error_responses
 from tracetrain.proxy.policy_lines import PolicyQuery, scoped_policy
 from tracetrain.proxy.protocol import INTEGRAL, RequestModel
@@ -101,7 +102,8 @@ def _holds_checkpoint(path: Path, kind: Literal["full", "lora"]) -> bool:
 @router.get("/v1/policies", responses=error_responses(404, described={404: "No such policy"}))
 async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = None) -> dict[str, Any]:
     """The named policies (`policies`, only `policy`'s when asked) and the versions (`data`: every line's, each
-    row with its `line`, or only `policy`'s), with the sessions waiting for the trainer (all, or `policy`'s)."""
+    row with its `line`, or only `policy`'s), with the sessions waiting for the trainer (all, or `policy`'s), and
+    `hints`: sentences for the user when a figure needs their attention (many sessions going stale)."""
     only = await scoped_policy(gw.policies, caller, policy)
 
     def read(db: Session) -> tuple[Sequence[PolicyLine], Sequence[Policy], int, int, dict[str, int]]:
@@ -111,11 +113,18 @@ async def list_policies(gw: GatewayDep, caller: AdminDep, policy: PolicyQuery = 
 
     lines, rows, ready, leased, set_aside = await gw.read(read)
     served = {line.name: line_version(gw.engine, line.name) for line in lines}
+    train = gw.config.train
+    own = lines[0].settings if only is not None and lines else {}  # a named policy may bound staleness itself
+    hint = stale_hint(set_aside, sum(int((row.metrics or {}).get("sessions", 0)) for row in rows),
+                      max_staleness=int(own.get("max_staleness", train.max_staleness)),
+                      batch_sessions=int(own.get("batch_sessions", train.batch_sessions)))
     return {"object": "list", "served_version": gw.engine.version, "served_versions": served,
             "policies": [PolicyLinePublic.model_validate(line).model_dump(mode="json") for line in lines],
             # Sessions waiting for the trainer, claimed for a step in progress, and those it left in the
             # store unconsumed, by reason.
             "sessions": {"ready": ready, "leased": leased, "set_aside": set_aside},
+            # What the figures mean for the user, in words, when something needs their attention.
+            "hints": [hint] if hint else [],
             # Under canary promotion: the default line's (or `policy`'s) version on trial and its test's latest
             # figures, and every line's by policy.
             "promotion": {"mode": gw.config.promotion.mode,

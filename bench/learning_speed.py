@@ -520,6 +520,13 @@ def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
+def _heading(name: str, pairings: list[Pairing], split: str) -> str:
+    """The TRL comparison's heading, or a study's: its pairings and split."""
+    if name == NAME:
+        return HEADING
+    return f"Learning speed study: {'; '.join(title for _, title, _ in pairings)} ({split} split)"
+
+
 def _commits_note(commits: list[str]) -> str:
     return (f"runs made at git {', '.join(c[:12] for c in commits)}" + (
         " (resumed over several sittings; nothing between those commits changes what is trained or timed)"
@@ -540,7 +547,8 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
                 f" (sessions consumed per step, dropped ones included, {sum(sessions) / len(sessions):.1f})"
                 if sessions else ""))
     optimizers = sorted({f"{LABELS[r.arm]}: {r.optimizer}" for r in runs})
-    return [
+    with_trl = any(ARMS[r.arm].framework == "trl" for r in runs)
+    notes = [
         *[f"metric '{name}': {text}" for name, text in METRICS.items()],
         f"each run: a fresh process, {args.minutes:g} min on the arm's clock from before its start (start-up "
         "included, evaluations excluded: the clock stops while an arm evaluates, and tracetrain's training agent is "
@@ -555,12 +563,18 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"(TRL loss_type {TRL_LOSS_TYPE.get(DEMO.loss_agg_mode)}), {DEMO.advantage} advantages (TRL scale_rewards "
         f"{TRL_SCALE_REWARDS.get(DEMO.advantage)}), clip {DEMO.clip_ratio:g}, grad clip "
         f"{DEMO.grad_clip:g}, {DEMO.ppo_epochs} pass per batch; optimizers as measured: {'; '.join(optimizers)}",
-        f"samples per optimizer step: TRL exactly {BATCH} (zero-variance groups included, they get zero advantage); "
-        f"tracetrain (mode {DEMO.mode}) trains on {DEMO.batch_sessions} usable sessions per step (whole groups, "
-        "freshest first; zero-variance groups are set aside and replaced by more groups), so a step may hold "
-        f"more signal than TRL's: mean samples trained per step {'; '.join(sizes) or 'n/a'} (from the versions' "
-        "metrics); the lr selection (learning_speed_lr.md) ran on the loop before that change, which claimed "
-        "every finished session when it stepped",
+        "samples per optimizer step: " + (f"TRL exactly {BATCH} (zero-variance groups included, they get zero "
+                                          "advantage); " if with_trl else "")
+        + f"tracetrain (mode {DEMO.mode}) trains on {DEMO.batch_sessions} usable sessions per step (whole groups, "
+        "freshest first; zero-variance groups are set aside and replaced by more groups, unless an arm keeps them "
+        f"with train.flat_groups keep): mean samples trained per step {'; '.join(sizes) or 'n/a'} (from the "
+        "versions' metrics); the lr selection (learning_speed_lr.md) ran on the loop before replacing, which "
+        "claimed every finished session when it stepped",
+    ]
+    if not with_trl:
+        return [*notes, MACHINE_NOTE]
+    return [
+        *notes,
         f"TRL + vLLM: {TRL_VLLM_UNAVAILABLE}",
         "other known differences: tracetrain's in-process transformers engine serves one request at a time (no "
         "batching) while TRL's HF generate samples a step's 32 completions in one batched call; tracetrain "
@@ -569,9 +583,12 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         f"importance sampling (cap {DEMO.tis_cap}); TRL evaluates between two steps with HF generate (same weights)",
         "TRL checks the budget between steps, so its last step may end past it; the tracetrain agent is stopped at "
         "the budget, mid-group if it must be",
-        "numbers depend on the machine and what else runs on it (load avg per run in the last table: with 2 CPUs "
-        "anything near 1 or above is other work competing)",
+        MACHINE_NOTE,
     ]
+
+
+MACHINE_NOTE = ("numbers depend on the machine and what else runs on it (load avg per run in the last table: with 2 "
+                "CPUs anything near 1 or above is other work competing)")
 
 
 def select_lrs(args: argparse.Namespace, arms: list[str]) -> None:
@@ -610,9 +627,9 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
     raw = {"commits": commits, "args": _jsonable(args),
            "threshold": args.threshold, "lrs": lrs, "order": order, "metrics": METRICS,
            "trl_vllm_unavailable": TRL_VLLM_UNAVAILABLE, "lr_selection": lr_selection(args.lr_file) or None}
-    heading = HEADING if args.name == NAME else f"{HEADING}: {args.name} ({args.split} split)"
-    write_report(args.results_dir, heading, _command(), pairings, runs, LABELS, lrs, args.threshold,
-                 [*_settings_notes(args, runs, order), _commits_note(commits)], raw, started, name=args.name)
+    write_report(args.results_dir, _heading(args.name, pairings, args.split), _command(), pairings, runs, LABELS, lrs,
+                 args.threshold, [*_settings_notes(args, runs, order), _commits_note(commits)], raw, started,
+                 name=args.name)
     partial.unlink()  # the report holds every run now
 
 
@@ -646,12 +663,12 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     saved = argparse.Namespace(**{"split": "test", "name": NAME, **raw["args"]})  # older runs had neither
     order = {int(seed): arms for seed, arms in raw["order"].items()}
     lrs = {arm: (float(lr), source) for arm, (lr, source) in raw["lrs"].items()}
-    command = f"python -m bench.learning_speed --minutes {saved.minutes:g}"
+    command = document.get("command") or f"python -m bench.learning_speed --minutes {saved.minutes:g}"
     notes = [*_settings_notes(saved, runs, order), *([_commits_note(raw["commits"])] if raw.get("commits") else []),
              *raw.get("corrections", []),
              f"report re-rendered with --from-json; step sizes and sharpening of {reread} tracetrain runs re-read "
              "from their stores"]
-    write_report(args.results_dir, document.get("heading", HEADING), command, pairings, runs, LABELS, lrs,
+    write_report(args.results_dir, _heading(args.name, pairings, saved.split), command, pairings, runs, LABELS, lrs,
                  raw["threshold"], notes, {k: v for k, v in raw.items() if k != "runs"}, started, info, name=args.name)
 
 

@@ -346,7 +346,9 @@ def verdicts(pairing: Pairing, runs: Sequence[ArmRun], labels: dict[str, str], t
                                 Spread.of([reward_at_step(r, step) for r in mine]),
                                 Spread.of([reward_at_step(r, step) for r in others]), True, lambda v: f"{v:.3f}",
                                 names))
-    lines = [text for _, text, _ in results] + [time_ratio(mine, others, names, threshold)]
+    # the time targets are issue 31's, against TRL; a study of tracetrain's own settings only compares
+    lines = [text for _, text, _ in results] + ([time_ratio(mine, others, names, threshold)]
+                                                if theirs.startswith("trl") else [])
     lost = [name for name, _, won in results if not won]
     summary = (f"{names[0]} does not win on: {'; '.join(lost)}" if lost else f"{names[0]} wins every metric")
     return [f"{key}: {text}" for text in lines] + [f"{key}: {summary}"]

@@ -147,8 +147,10 @@ class Promotion:
             return (store.incumbent(db, line=line), store.canary(db, line=line),
                     store.version_row(db, version=trial.checkpoint.version, line=line) if trial is not None else None)
 
-        incumbent, canary, ours = await self._read(read)
+        # Read under the lock: a snapshot taken before a decision made here (by `decide`, holding the lock)
+        # still shows the decided version as the canary, and would stage it again once the lock is free.
         async with self._lock:
+            incumbent, canary, ours = await self._read(read)
             if self.trial is not None and ours is not None and ours.promotion != "canary":
                 await self._apply(self.trial.checkpoint.version, str(ours.promotion))
             if incumbent is not None and incumbent.version > self.served and incumbent.checkpoint:

@@ -528,9 +528,9 @@ def _heading(name: str, pairings: list[Pairing], split: str) -> str:
 
 
 def _commits_note(commits: list[str]) -> str:
-    return (f"runs made at git {', '.join(c[:12] for c in commits)}" + (
-        " (resumed over several sittings; nothing between those commits changes what is trained or timed)"
-        if len(commits) > 1 else "") + "; the provenance line above is the report's")
+    return (f"runs made at git {', '.join(c[:12] for c in commits)}"
+            + (" (resumed over several sittings)" if len(commits) > 1 else "")
+            + "; the provenance line above is the report's")
 
 
 def _command() -> str:

@@ -33,6 +33,8 @@ agent's `--eval` mode, the training agent stopped and the trainer idle meanwhile
         --eval-every 30 --results-dir /tmp/learning_speed                    # smoke test
     python -m bench.learning_speed --pairings flat-groups --split validation --seeds 100 101 --minutes 15 \\
         --name learning_speed_flat_groups      # tracetrain's batches with all-equal groups kept, as TRL's are
+    python -m bench.learning_speed --pairings entropy --split validation --seeds 100 101 --minutes 15 \\
+        --name learning_speed_entropy          # an entropy bonus against the collapse onto one answer
 
 Results: `bench/results/learning_speed.{md,json,png}`. `--select-lr` writes its choice to
 `bench/results/learning_speed_lr.{md,json}`, which the measured runs read and copy into their results, so
@@ -162,6 +164,8 @@ ARMS = {a.key: a for a in (
     Arm("trl-hf", "TRL + HF generate", "trl", "hf"),
     Arm("tracetrain-vllm-keep", "tracetrain + vLLM, all-equal groups kept", "tracetrain", "vllm",
         train=(("flat_groups", "keep"),), lr_from="tracetrain-vllm"),
+    Arm("tracetrain-vllm-entropy", "tracetrain + vLLM, entropy bonus 0.01", "tracetrain", "vllm",
+        train=(("entropy_coef", 0.01),), lr_from="tracetrain-vllm"),
 )}
 PAIRINGS: dict[str, Pairing] = {
     "same-engine": ("same-engine", "same engine: tracetrain + in-process transformers engine vs TRL + HF generate",
@@ -171,12 +175,19 @@ PAIRINGS: dict[str, Pairing] = {
     "flat-groups": ("flat-groups", "tracetrain + vLLM with all-equal groups set aside and replaced (the default) vs "
                     "kept with zero advantage, as TRL's batches are (train.flat_groups keep)",
                     ("tracetrain-vllm", "tracetrain-vllm-keep")),
+    "entropy": ("entropy", "tracetrain + vLLM without (the default) vs with an entropy bonus (train.entropy_coef "
+                "0.01), against the sharpening onto one answer that stalled measured seed 0",
+                ("tracetrain-vllm", "tracetrain-vllm-entropy")),
 }
 MEASURED_PAIRINGS = ["same-engine", "best-engine"]
 """The pairings of the TRL comparison (the default). `flat-groups` is a study of tracetrain's own batches,
 run on the validation split (`--split validation --seeds 100 101 --name learning_speed_flat_groups`). Its
 rule, fixed before its first run: `keep` is preferred when its mean validation AUC over the seeds is higher;
-the measured arms then train with it at their next run (never chosen on the test curves)."""
+the measured arms then train with it at their next run (never chosen on the test curves). `entropy` is a
+study of the same kind (`--name learning_speed_entropy`), with the same rule fixed before its first run: the
+entropy bonus is preferred when its mean validation AUC over seeds 100 and 101 is higher, and the measured
+vLLM arm then trains with it. One coefficient, 0.01, not a grid: a study of whether the bonus holds off the
+collapse at all, not a tuned value."""
 LABELS = {key: arm.label for key, arm in ARMS.items()}
 
 

@@ -388,7 +388,7 @@ def plot(path: Path, pairings: Sequence[Pairing], runs: Sequence[ArmRun], labels
     import numpy as np
 
     colors = {"tracetrain-transformers": "tab:green", "tracetrain-vllm": "tab:olive", "trl-hf": "tab:blue",
-              "tracetrain-vllm-keep": "tab:orange"}
+              "tracetrain-vllm-keep": "tab:orange", "tracetrain-vllm-entropy": "tab:purple"}
     fig, axes = plt.subplots(len(pairings), 2, figsize=(13, 4.6 * len(pairings)), squeeze=False)
     for (key, _, arms), (by_time, by_step) in zip(pairings, axes, strict=True):
         for arm in arms:

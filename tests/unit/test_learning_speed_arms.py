@@ -32,15 +32,17 @@ def test_an_arm_without_a_selection_takes_its_nearest_selected_relative(tmp_path
         1e-3, "--lr override")
 
 
-@pytest.mark.parametrize(("arm", "flat_groups", "publish"), [("tracetrain-vllm", "set_aside", "reload"),
-                                                              ("tracetrain-vllm-keep", "keep", "reload"),
-                                                              ("tracetrain-transformers", "set_aside", "inprocess")])
-def test_each_tracetrain_arm_serves_with_its_own_settings(arm: str, flat_groups: str, publish: str,
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arm", "flat_groups", "entropy_coef", "publish"), [
+    ("tracetrain-vllm", "set_aside", 0.0, "reload"),
+    ("tracetrain-vllm-keep", "keep", 0.0, "reload"),
+    ("tracetrain-vllm-entropy", "set_aside", 0.01, "reload"),
+    ("tracetrain-transformers", "set_aside", 0.0, "inprocess")])
+def test_each_tracetrain_arm_serves_with_its_own_settings(arm: str, flat_groups: str, entropy_coef: float,
+                                                          publish: str, tmp_path: Path) -> None:
     spec = RunSpec(arm, seed=3, lr=2e-4, minutes=1, eval_every=30, eval_size=8, split="validation", order=0)
     config = _write_config(tmp_path, 8000, 8001, ARMS[arm].engine, {"train": train_settings(spec)})
     train = TrainConfig.model_validate(yaml.safe_load(config.read_text())["train"])
-    assert (train.flat_groups, train.publish, train.lr, train.seed) == (flat_groups, publish, 2e-4, 3)
-    assert train.model_dump(exclude={"flat_groups", "publish", "lr", "seed", "checkpoint_dir"}) == \
-        TrainConfig.model_validate(DEMO_TRAINING).model_dump(exclude={"flat_groups", "publish", "lr", "seed",
-                                                                      "checkpoint_dir"})
+    assert (train.flat_groups, train.entropy_coef, train.publish, train.lr, train.seed) == (
+        flat_groups, entropy_coef, publish, 2e-4, 3)
+    own = {"flat_groups", "entropy_coef", "publish", "lr", "seed", "checkpoint_dir"}
+    assert train.model_dump(exclude=own) == TrainConfig.model_validate(DEMO_TRAINING).model_dump(exclude=own)

@@ -26,8 +26,8 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
   trains each step on up to 8 earlier successes again (self-imitation, `train.replay_successes`),
   chosen on the validation split over `hard`, `hard+baseline` and `hard+replay` (replay alone);
   `hard+defaults` runs the trainer with `serve --train`'s defaults instead of the demo's settings, as a
-  new user would, and `hard+defaults+baseline` adds `train.flat_groups=baseline` (run only when named:
-  they decide that setting's default on the validation split);
+  new user would, and `hard+defaults+set-aside` sets all-equal groups aside instead (run only when named:
+  on the validation split they made `train.flat_groups: baseline` the default);
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
@@ -117,11 +117,11 @@ ARMS = {
     "hard+baseline+replay": Arm("exact answers only, all-equal groups against the running baseline, up to 8 "
                                 "earlier successes trained on again per step", ("--reward", "exact"),
                                 ("train.flat_groups=baseline", "train.replay_successes=8")),
-    "hard+defaults": Arm("exact answers only, the trainer with serve --train's defaults (not the demo's)",
-                         ("--reward", "exact"), SERVE_DEFAULTS),
-    "hard+defaults+baseline": Arm("exact answers only, the trainer with serve --train's defaults and all-equal "
-                                  "groups against the running baseline", ("--reward", "exact"),
-                                  (*SERVE_DEFAULTS, "train.flat_groups=baseline")),
+    "hard+defaults": Arm("exact answers only, the trainer with serve --train's defaults (not the demo's): "
+                         "all-equal groups against the running baseline", ("--reward", "exact"), SERVE_DEFAULTS),
+    "hard+defaults+set-aside": Arm("exact answers only, the trainer with serve --train's defaults but all-equal "
+                                   "groups set aside (the default before this pair's runs)", ("--reward", "exact"),
+                                   (*SERVE_DEFAULTS, "train.flat_groups=set_aside")),
     "hard+singletons": Arm("exact answers only, one attempt per problem",
                            ("--reward", "exact", "--group-size", "1", "--no-group")),
     "grouped+disk": Arm("the demo's traffic; full weights published through disk, as before they went from memory",
@@ -146,12 +146,14 @@ ARMS = {
 
 
 CANDIDATES = ("multi-turn", "multi-turn-2", "multi-turn-correct", "late+staleness4", "hard+replay", "hard+defaults",
-              "hard+defaults+baseline")
+              "hard+defaults+set-aside")
 """Arms tried on the validation split and not (or not yet) chosen: run only when named. The `hard+defaults`
-pair measures whether `train.flat_groups: baseline` should become the default, by a rule fixed before its
+pair decided whether `train.flat_groups: baseline` should become the default, by a rule fixed before its
 runs: over validation seeds 100 and 101, baseline becomes the default only if its mean held-out reward after
-the run beats set_aside's by more than 0.01 and it trains on a larger share of the generated episodes;
-otherwise set_aside stays."""
+the run beats set_aside's by more than 0.01 and it trains on a larger share of the generated episodes. It
+did (0.445 against 0.422; 88% against 28% trained on), so `hard+defaults` now runs with baseline and
+`hard+defaults+set-aside` with the default before (their runs were made as `hard+defaults+baseline` and
+`hard+defaults`, renamed in the results)."""
 DEFAULT_ARMS = [arm for arm in ARMS if arm not in CANDIDATES]
 
 

@@ -76,15 +76,17 @@ class TrainConfig(BaseModel):
     need a bound that covers their lag in versions (docs/architecture.md, "Late rewards")."""
     batch_sessions: int = 32
     """Usable sessions per training step: whole groups, freshest first (so up to one group more when
-    group sizes do not add up to it); zero-variance groups are replaced by more groups (DAPO's dynamic
-    sampling)."""
-    flat_groups: Literal["set_aside", "baseline", "keep"] = "set_aside"
+    group sizes do not add up to it); with `flat_groups: set_aside`, zero-variance groups are replaced by
+    more groups (DAPO's dynamic sampling)."""
+    flat_groups: Literal["set_aside", "baseline", "keep"] = "baseline"
     """Groups whose rewards are all equal (all failed, or all succeeded), under a group estimator.
-    `set_aside`: replaced by more groups (DAPO's dynamic sampling); on a hard task that discards most of
-    what the agents generate. `baseline`: trained against the running baseline instead, so an all-fail
-    group pushes away from what failed and a rare all-success group pays fully. `keep`: trained on with
-    the group estimator's zero advantage, as TRL and verl do without dynamic sampling: they add no
-    gradient, but their tokens count in the token-mean, so steps shrink as more groups agree."""
+    `baseline` (the default): trained against the running baseline, so an all-fail group pushes away from
+    what failed and a rare all-success group pays fully. `set_aside`: replaced by more groups (DAPO's
+    dynamic sampling); on a hard task that discards most of what the agents generate, and the trainer
+    waits for the groups that replace them. `keep`: trained on with the group estimator's zero advantage,
+    as TRL and verl do without dynamic sampling: they add no gradient, but their tokens count in the
+    token-mean, so steps shrink as more groups agree. The default was chosen on the validation split with
+    every other setting at its default (bench/results/learning_arms_validation.md, `hard+defaults`)."""
     replay_successes: int = Field(default=0, ge=0)
     """Earlier samples that did better than expected trained on again, up to this many per step, while
     their reward is still above their group's running baseline (self-imitation, Oh et al. 2018:

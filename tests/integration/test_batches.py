@@ -85,7 +85,8 @@ def test_unusable_sessions_are_set_aside_not_consumed_and_replaced(db_url: str, 
             _add(s, f"{g}-0", f"g-{g}", 0.0, version=2, age_s=10)
             _add(s, f"{g}-1", f"g-{g}", 1.0, version=2, age_s=10)
         s.commit()
-    batch = _gatherer(db_url, tmp_path).gather(3)  # trainer at version 3, max staleness 1: version 1 is stale
+    # trainer at version 3, max staleness 1: version 1 is stale
+    batch = _gatherer(db_url, tmp_path, flat_groups="set_aside").gather(3)
     assert batch is not None
     assert sorted(batch.session_ids) == ["x-0", "x-1", "y-0", "y-1"]  # the flat group was replaced
     assert dict(batch.set_aside) == {"stale": 2, "zero_variance": 2}

@@ -202,7 +202,9 @@ def test_the_trainer_skips_excluded_sessions_and_learns_the_overridden_reward(
     with Session(db) as s:
         by_session = {x.session_id: x.reward for x in load_samples(s, list(rewards))}
     assert by_session == {"a0": 1.0, "a1": 0.0, "b0": 0.0, "b1": 1.0, "b2": 1.0}, "the override is the reward"
-    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, checkpoint_dir=tmp_path / "ckpt")
+    # All-equal groups set aside, so that a group the override left flat would show as one.
+    cfg = TrainConfig(lora=False, lr=1e-3, batch_sessions=8, min_sessions=1, flat_groups="set_aside",
+                      checkpoint_dir=tmp_path / "ckpt")
     trainer = Trainer(cfg, db, tiny_model_path)
     assert trainer.step_once() and trainer.version == 1
     assert trainer.counts["zero_variance"] == 0, "a1's override gave g-a a signal"

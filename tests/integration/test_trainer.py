@@ -71,7 +71,7 @@ def test_stale_and_zero_variance_sessions_are_set_aside_and_counted(tiny_model_p
         add_session(s, "good-1", "g-good", 1.0, version=3)
         add_session(s, "good-2", "g-good", 0.0, version=2)
         s.commit()
-    trainer = _trainer(tiny_model_path, tmp_path, db_url)
+    trainer = _trainer(tiny_model_path, tmp_path, db_url, flat_groups="set_aside")
     assert trainer.version == 3
     assert trainer.step_once()
     assert trainer.version == 4

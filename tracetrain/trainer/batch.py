@@ -1,12 +1,12 @@
 """Gathering one step's batch: freshest groups first, nothing unusable consumed, full batches.
 
-Each round sets aside sessions that went stale (they stay in the store, unconsumed), claims whole
-groups freshest first, and sets aside groups whose rewards are all equal (no signal for a group
-baseline) so that more groups take their place: DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An
-Open-Source LLM Reinforcement Learning System at Scale", section 3.2), with a deadline instead of a
-count of generation batches because generation here is whoever the agents are, not the trainer.
-With `flat_groups: baseline` such groups are kept and trained against the running baseline instead
-(trainer/step.py's `rl_advantages`); with `keep` they are kept with zero advantage. A step waits for
+Each round sets aside sessions that went stale (they stay in the store, unconsumed) and claims whole
+groups freshest first. Groups whose rewards are all equal (no signal for a group baseline) are kept and
+trained against the running baseline by default (`flat_groups: baseline`, trainer/step.py's
+`rl_advantages`), or kept with zero advantage (`keep`). With `set_aside` they are set aside so that more
+groups take their place: DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM
+Reinforcement Learning System at Scale", section 3.2), with a deadline instead of a count of generation
+batches because generation here is whoever the agents are, not the trainer. A step waits for
 `batch_sessions` usable sessions; with at least `min_sessions` it waits at most `fill_timeout_s` more;
 with fewer it waits as long as it takes rather than train on a handful.
 """

@@ -4,7 +4,8 @@ against optimizer steps, over several seeds, in two pairings (both reported):
 - `same-engine`: tracetrain with its in-process `transformers` engine (`serve --train`, sync mode, new
   weights swapped in in-process) vs TRL generating with HF `generate`: learning per sample, the
   generation engine taken out of the comparison as far as tracetrain allows.
-- `best-engine`: tracetrain + vLLM (as `tracetrain demo` runs it) vs the best TRL can do here. TRL's
+- `best-engine`: tracetrain + vLLM (as `tracetrain demo` runs it, plus an entropy bonus of 0.01, chosen on
+  the validation split by the `entropy` study) vs the best TRL can do here. TRL's
   own vLLM modes cannot run on this CPU-only machine (`TRL_VLLM_UNAVAILABLE` says exactly why), so
   this pairing is tracetrain + vLLM vs TRL + HF generate, and the report says so.
 
@@ -170,8 +171,8 @@ ARMS = {a.key: a for a in (
 PAIRINGS: dict[str, Pairing] = {
     "same-engine": ("same-engine", "same engine: tracetrain + in-process transformers engine vs TRL + HF generate",
                     ("tracetrain-transformers", "trl-hf")),
-    "best-engine": ("best-engine", "best engine each: tracetrain + vLLM vs TRL + HF generate (TRL + vLLM cannot "
-                    "run here, see notes)", ("tracetrain-vllm", "trl-hf")),
+    "best-engine": ("best-engine", "best engine each: tracetrain + vLLM (entropy bonus 0.01) vs TRL + HF generate "
+                    "(TRL + vLLM cannot run here, see notes)", ("tracetrain-vllm-entropy", "trl-hf")),
     "flat-groups": ("flat-groups", "tracetrain + vLLM with all-equal groups set aside and replaced (the default) vs "
                     "kept with zero advantage, as TRL's batches are (train.flat_groups keep)",
                     ("tracetrain-vllm", "tracetrain-vllm-keep")),
@@ -187,7 +188,10 @@ the measured arms then train with it at their next run (never chosen on the test
 study of the same kind (`--name learning_speed_entropy`), with the same rule fixed before its first run: the
 entropy bonus is preferred when its mean validation AUC over seeds 100 and 101 is higher, and the measured
 vLLM arm then trains with it. One coefficient, 0.01, not a grid: a study of whether the bonus holds off the
-collapse at all, not a tuned value."""
+collapse at all, not a tuned value. It was preferred (validation AUC 0.471 against 0.448,
+`learning_speed_entropy.md`), so `best-engine` now pairs `tracetrain-vllm-entropy` with TRL; the measured
+results made before that (`learning_speed.json` at git b586428, with `tracetrain-vllm`) stay in git history
+once the next measured sitting replaces them."""
 LABELS = {key: arm.label for key, arm in ARMS.items()}
 
 

@@ -90,12 +90,13 @@ def test_singletons_use_the_running_baseline_and_groups_use_verl() -> None:
 
 
 def test_flat_groups_are_trained_against_the_running_baseline_when_asked() -> None:
-    """An all-fail and an all-success group beside a mixed one: by default verl gives the flat groups
-    nothing; with `flat_groups: baseline` every member gets its reward minus the baseline as it stood
-    before the group, whatever its place in the group."""
+    """An all-fail and an all-success group beside a mixed one: verl alone gives the flat groups nothing
+    (`set_aside` or `keep`); with `flat_groups: baseline`, the default, every member gets its reward minus
+    the baseline as it stood before the group, whatever its place in the group."""
     samples = [_sample("fail", 0.0), _sample("fail", 0.0), _sample("win", 1.0), _sample("win", 1.0),
                _sample("mixed", 1.0), _sample("mixed", 0.0)]
-    plain = rl_advantages(samples, TrainConfig(advantage="rloo"), RunningBaseline(momentum=0.5))
+    assert TrainConfig().flat_groups == "baseline"
+    plain = rl_advantages(samples, TrainConfig(advantage="rloo", flat_groups="keep"), RunningBaseline(momentum=0.5))
     assert plain[:4] == [0.0, 0.0, 0.0, 0.0]
     baseline = RunningBaseline(momentum=0.5, overall=0.25)
     advantages = rl_advantages(samples, TrainConfig(advantage="rloo", flat_groups="baseline"), baseline)

@@ -586,6 +586,10 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
         "versions' metrics); the lr selection (learning_speed_lr.md) ran on the loop before replacing, which "
         "claimed every finished session when it stepped",
     ]
+    own = sorted({f"{LABELS[r.arm]}: " + ", ".join(f"train.{k} {v}" for k, v in ARMS[r.arm].train)
+                  for r in runs if ARMS[r.arm].train})
+    if own:  # an arm's own settings, each chosen on the validation split by a study of its own
+        notes.append(f"settings of an arm's own, on top of the above: {'; '.join(own)}")
     if not with_trl:
         return [*notes, MACHINE_NOTE]
     return [

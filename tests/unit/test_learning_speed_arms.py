@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from bench.learning_speed import ARMS, RunSpec, resolve_lrs, train_settings
+from bench.learning_speed import ARMS, PAIRINGS, RunSpec, _settings_notes, resolve_lrs, train_settings
+from bench.learning_speed_report import ArmRun
 from tracetrain.config import TrainConfig
 from tracetrain.demo.run import DEMO_TRAINING, _write_config
 
@@ -46,3 +48,16 @@ def test_each_tracetrain_arm_serves_with_its_own_settings(arm: str, flat_groups:
         flat_groups, entropy_coef, publish, 2e-4, 3)
     own = {"flat_groups", "entropy_coef", "publish", "lr", "seed", "checkpoint_dir"}
     assert train.model_dump(exclude=own) == TrainConfig.model_validate(DEMO_TRAINING).model_dump(exclude=own)
+
+
+def test_the_report_names_the_settings_an_arm_has_of_its_own() -> None:
+    """The best-engine pairing's tracetrain arm differs from TRL's by an entropy bonus: the report says so."""
+    args = argparse.Namespace(minutes=15.0, eval_size=96, split="test", eval_every=90.0)
+    runs = [ArmRun(arm=arm, seed=0, lr=2e-4, split="test", budget_s=900.0) for arm in PAIRINGS["best-engine"][2]]
+    notes = _settings_notes(args, runs, {0: list(PAIRINGS["best-engine"][2])})
+    assert PAIRINGS["best-engine"][2] == ("tracetrain-vllm-entropy", "trl-hf")
+    assert [n for n in notes if n.startswith("settings of an arm's own")] == [
+        "settings of an arm's own, on top of the above: tracetrain + vLLM, entropy bonus 0.01: train.entropy_coef 0.01"]
+    plain = _settings_notes(args, [ArmRun(arm="tracetrain-vllm", seed=0, lr=2e-4, split="test", budget_s=900.0)],
+                            {0: ["tracetrain-vllm"]})
+    assert not any(n.startswith("settings of an arm's own") for n in plain)

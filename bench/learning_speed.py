@@ -588,7 +588,7 @@ def _settings_notes(args: argparse.Namespace, runs: list[ArmRun], order: dict[in
     ]
     own = sorted({f"{LABELS[r.arm]}: " + ", ".join(f"train.{k} {v}" for k, v in ARMS[r.arm].train)
                   for r in runs if ARMS[r.arm].train})
-    if own:  # an arm's own settings, each chosen on the validation split by a study of its own
+    if own:  # what "identical in every arm" above does not cover
         notes.append(f"settings of an arm's own, on top of the above: {'; '.join(own)}")
     if not with_trl:
         return [*notes, MACHINE_NOTE]

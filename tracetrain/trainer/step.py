@@ -161,11 +161,11 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
                     ref_logprobs, _ = sequence_logprobs(reference, mb)
                 kl = verl_ops.aggregate(verl_ops.kl_to_reference(logprobs, ref_logprobs, cfg.kl_type), mb.mask, config)
                 loss = loss + cfg.kl_coef * kl
-                totals["kl"] += weight * float(kl) / share.dp_size
+                totals["kl"] += weight * float(kl.detach()) / share.dp_size
             if entropies is not None:
                 entropy = verl_ops.aggregate(entropies, mb.mask, config)
                 loss = loss - cfg.entropy_coef * entropy
-                totals["entropy"] += weight * float(entropy) / cfg.ppo_epochs / share.dp_size
+                totals["entropy"] += weight * float(entropy.detach()) / cfg.ppo_epochs / share.dp_size
             (weight * loss / cfg.ppo_epochs).backward()
             totals["loss"] += weight * float(loss.detach()) / cfg.ppo_epochs / share.dp_size
             if is_weights is not None:

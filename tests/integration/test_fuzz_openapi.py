@@ -274,9 +274,12 @@ def fuzz(gw: RunningGateway, headers: dict[str, str], *, max_examples: int, phas
     for event in from_schema(schema).execute():
         if isinstance(event, events.ScenarioFinished):
             _record(tally, event.recorder)
-        elif isinstance(event, events.NonFatalError | events.FatalError):
-            message = event.info.message if isinstance(event, events.NonFatalError) else repr(event.exception)
-            tally.failures.setdefault(f"{getattr(event, 'label', 'run')}: error", message[:2000])
+        elif isinstance(event, events.NonFatalError):
+            # The phase and the request that repeats it: a timeout's message alone names neither.
+            message = f"{event.info.message} (phase: {event.phase})\n{event.info.code_sample or ''}"
+            tally.failures.setdefault(f"{event.label}: error", message[:3000])
+        elif isinstance(event, events.FatalError):
+            tally.failures.setdefault("run: error", repr(event.exception)[:2000])
         elif isinstance(event, events.EngineFinished):
             for failure in event.failures:
                 tally.failures.setdefault(f"run: {failure.title}", failure.message[:2000])

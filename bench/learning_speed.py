@@ -83,6 +83,7 @@ from bench.learning_speed_report import (
     EvalPoint,
     Pairing,
     step_sizes,
+    step_times,
     write_lr_report,
     write_report,
 )
@@ -343,6 +344,7 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         policies = listing.get("data", [])
         run.steps = max((int(p["version"]) for p in policies), default=0)
         run.step_samples, run.sessions_per_step = step_sizes(policies)
+        run.step_times = step_times(policies)
         run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
         run.episodes = _count_lines(episodes_log)
         run.trained_sessions = sum(int(p["metrics"].get("sessions", 0)) for p in policies if p.get("metrics"))
@@ -653,8 +655,9 @@ def measure(args: argparse.Namespace, arms: list[str], pairings: list[Pairing]) 
 
 
 def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
-    """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes and sharpening
-    re-read from its store (bench/out/learning_speed/learning_speed/<run>/store.db) when it is still there.
+    """`--from-json`: the report again from its JSON, with each tracetrain run's step sizes, step times and
+    sharpening re-read from its store (bench/out/learning_speed/learning_speed/<run>/store.db) when it is
+    still there.
     The runs' own provenance is kept; a JSON from before provenance was recorded says so instead."""
     from sqlmodel import Session
 
@@ -676,6 +679,7 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
         with Session(connect_db(f"sqlite:///{store}")) as db:
             policies = [p.model_dump(mode="json") for p in queries.list_policies(db)]
         run.step_samples, run.sessions_per_step = step_sizes(policies)
+        run.step_times = step_times(policies)
         run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
         run.sharpening = sharpening.of_store(store)
         reread += 1
@@ -685,8 +689,8 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
     command = document.get("command") or f"python -m bench.learning_speed --minutes {saved.minutes:g}"
     notes = [*_settings_notes(saved, runs, order), *([_commits_note(raw["commits"])] if raw.get("commits") else []),
              *raw.get("corrections", []),
-             f"report re-rendered with --from-json; step sizes and sharpening of {reread} tracetrain runs re-read "
-             "from their stores"]
+             f"report re-rendered with --from-json; step sizes, step times and sharpening of {reread} tracetrain runs "
+             "re-read from their stores"]
     write_report(args.results_dir, _heading(args.name, pairings, saved.split), command, pairings, runs, LABELS, lrs,
                  raw["threshold"], notes, {k: v for k, v in raw.items() if k != "runs"}, started, info, name=args.name)
 

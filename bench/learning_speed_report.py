@@ -107,6 +107,8 @@ class ArmRun:
     """tracetrain: how its sampling sharpened, per window of versions (`bench.sharpening.windows`)."""
     ready_after_drain: int | None = None
     """Finished sessions still unused after the drain (fewer than a batch)."""
+    step_times: dict[str, float] = field(default_factory=dict)
+    """tracetrain: mean wall-clock seconds per optimizer step in each phase (the versions' `time_s`)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ArmRun:
@@ -226,6 +228,15 @@ def step_sizes(policies: list[dict[str, Any]]) -> tuple[list[int], float | None]
     return [b - a for a, b in zip([0, *totals], totals, strict=False)], consumed / len(rows)
 
 
+def step_times(policies: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per optimizer step in each phase the trainer records (`metrics.time_s`: waiting for data,
+    claiming, forward/backward, optimizer, checkpoint, publish), over the versions that record it."""
+    rows = [p["metrics"]["time_s"] for p in policies
+            if int(p["version"]) > 0 and (p.get("metrics") or {}).get("time_s")]
+    phases = list(dict.fromkeys(phase for row in rows for phase in row))
+    return {phase: sum(row.get(phase, 0.0) for row in rows) / len(rows) for phase in phases}
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 
@@ -308,6 +319,31 @@ def sharpening_table(runs: Sequence[ArmRun], labels: dict[str, str]) -> ResultTa
 
 
 SHARPENING_MIN_GROUPS = 10
+
+
+PHASES = {"wait_data": "wait for data", "claim": "claim", "forward_backward": "forward/backward",
+          "optimizer": "optimizer", "checkpoint": "checkpoint", "publish": "publish"}
+
+
+def step_time_table(runs: Sequence[ArmRun], labels: dict[str, str]) -> ResultTable:
+    """Per arm, mean over its seeds: seconds per optimizer step on the arm's clock, and for tracetrain where
+    a step's wall-clock time went. The trainer idles while its arm evaluates, so those pauses sit inside
+    "wait for data"; their share per step is shown beside it."""
+    table = ResultTable("where an optimizer step's time went, mean over seeds (seconds per step; the trainer idles "
+                        "while its arm evaluates, so the evaluation pauses are part of the wait for data)",
+                        ["arm", "seeds", "per step, arm's clock", "evaluation pauses (wall)",
+                         *[f"{name} (wall)" for name in PHASES.values()]])
+    for arm in dict.fromkeys(r.arm for r in runs):
+        mine = [r for r in runs if r.arm == arm and r.steps]
+        if not mine:
+            continue
+        per_step = statistics.fmean((r.train_end_s - r.startup_s) / r.steps for r in mine)
+        timed = [r for r in mine if r.step_times]
+        phases = [_f(statistics.fmean(r.step_times.get(p, 0.0) for r in timed), 1) if timed else "-" for p in PHASES]
+        pauses = _f(statistics.fmean(sum(p.seconds for p in r.points if p.t < r.budget_s) / r.steps
+                                     for r in timed), 1) if timed else "-"
+        table.add(labels[arm], len(mine), f"{per_step:.1f}", pauses, *phases)
+    return table
 
 
 def _compare(name: str, detail: str, ours: Spread, theirs: Spread, higher_better: bool,
@@ -433,6 +469,7 @@ def write_report(results_dir: Path, heading: str, command: str, pairings: Sequen
         tables.append(step_table(f"{key}: held-out reward per optimizer step, mean (min-max) over seeds", arms, runs,
                                  labels))
     tables.append(runs_table(runs, labels, threshold))
+    tables.append(step_time_table(runs, labels))
     if any(r.sharpening for r in runs):
         tables.append(sharpening_table(runs, labels))
     selection = raw.get("lr_selection")

@@ -7,7 +7,15 @@ import json
 from pathlib import Path
 
 from bench.common import run_started
-from bench.learning_speed_report import ArmRun, EvalPoint, sharpening_table, time_ratio, write_lr_report
+from bench.learning_speed_report import (
+    ArmRun,
+    EvalPoint,
+    sharpening_table,
+    step_time_table,
+    step_times,
+    time_ratio,
+    write_lr_report,
+)
 
 NAMES = ("tracetrain + vLLM", "TRL + HF generate")
 
@@ -67,3 +75,22 @@ def test_the_sharpening_table_compares_the_first_and_last_full_windows() -> None
     table = sharpening_table([collapsing, trl], {"tracetrain-vllm": "tracetrain + vLLM", "trl-hf": "TRL"})
     assert table.rows == [["tracetrain + vLLM", "0", "0-4 → 5-9", "5.0 → 2.0", "-1.00 → -0.40", "20% → 50%",
                            "0.400 → 0.400"]]
+
+
+def test_step_times_average_each_phase_and_show_the_evaluation_pauses_inside_the_wait() -> None:
+    def version(n: int, wait: float, train: float) -> dict[str, object]:
+        return {"version": n, "metrics": {"time_s": {"wait_data": wait, "forward_backward": train, "publish": 1.0}}}
+
+    # Version 0 (the base) has no step; one version from an older trainer records no times.
+    policies = [{"version": 0, "metrics": None}, version(1, 10.0, 4.0), version(2, 20.0, 6.0),
+                {"version": 3, "metrics": {"samples": 32}}]
+    assert step_times(policies) == {"wait_data": 15.0, "forward_backward": 5.0, "publish": 1.0}
+
+    ours, trl = run("tracetrain-vllm", 0, None), run("trl-hf", 0, 300)
+    for r, steps in ((ours, 20), (trl, 40)):
+        r.startup_s, r.train_end_s, r.steps = 40.0, 600.0, steps
+    ours.step_times = step_times(policies)
+    table = step_time_table([ours, trl], {"tracetrain-vllm": "tracetrain + vLLM", "trl-hf": "TRL"})
+    # 10 evaluations of 5 s before the budget (at 0, 60, ..., 540 s; the one at 600 s is the final one), 20 steps.
+    assert table.rows == [["tracetrain + vLLM", "1", "28.0", "2.5", "15.0", "0.0", "5.0", "0.0", "0.0", "1.0"],
+                          ["TRL", "1", "14.0", "-", "-", "-", "-", "-", "-", "-"]]

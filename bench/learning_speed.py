@@ -82,8 +82,6 @@ from bench.learning_speed_report import (
     ArmRun,
     EvalPoint,
     Pairing,
-    step_sizes,
-    step_times,
     write_lr_report,
     write_report,
 )
@@ -343,9 +341,7 @@ def run_gateway(spec: RunSpec, label: str, config: Path, port: int, out: Path, c
         listing = _policies(url)
         policies = listing.get("data", [])
         run.steps = max((int(p["version"]) for p in policies), default=0)
-        run.step_samples, run.sessions_per_step = step_sizes(policies)
-        run.step_times = step_times(policies)
-        run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
+        run.read_steps(policies)
         run.episodes = _count_lines(episodes_log)
         run.trained_sessions = sum(int(p["metrics"].get("sessions", 0)) for p in policies if p.get("metrics"))
         run.set_aside = listing.get("sessions", {}).get("set_aside", {})
@@ -678,9 +674,7 @@ def rerender(args: argparse.Namespace, pairings: list[Pairing]) -> None:
             continue
         with Session(connect_db(f"sqlite:///{store}")) as db:
             policies = [p.model_dump(mode="json") for p in queries.list_policies(db)]
-        run.step_samples, run.sessions_per_step = step_sizes(policies)
-        run.step_times = step_times(policies)
-        run.samples_per_step = sum(run.step_samples) / len(run.step_samples) if run.step_samples else None
+        run.read_steps(policies)
         run.sharpening = sharpening.of_store(store)
         reread += 1
     saved = argparse.Namespace(**{"split": "test", "name": NAME, **raw["args"]})  # older runs had neither

@@ -114,6 +114,12 @@ class ArmRun:
     def from_json(cls, data: dict[str, Any]) -> ArmRun:
         return cls(**{**data, "points": [EvalPoint(**p) for p in data["points"]]})
 
+    def read_steps(self, policies: list[dict[str, Any]]) -> None:
+        """Fill the per-step fields from a `/v1/policies` listing (or the same rows from a run's store)."""
+        self.step_samples, self.sessions_per_step = step_sizes(policies)
+        self.step_times = step_times(policies)
+        self.samples_per_step = sum(self.step_samples) / len(self.step_samples) if self.step_samples else None
+
 
 # --- metrics ---------------------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
     transfer_args, transfer_env = transfer_settings(config)
     servers = [VLLMServer(model_dir, port=settings.vllm_port + i, listen=settings.vllm_listen,
                           served_model_name=settings.served_model_name, python=settings.vllm_python,
-                          dtype=settings.dtype,
+                          dtype=settings.dtype, block_size=settings.block_size,
                           extra_args=[*gpu_args(settings), *transfer_args, *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
                           max_lora_rank=config.train.lora_rank, max_loras=settings.max_loras,

@@ -306,6 +306,11 @@ class ApiKey(BaseModel):
     the default policy."""
 
 
+CPU_BLOCK_SIZE = 32
+"""`engine.block_size` for vLLM servers started on the CPU: the multiple of 32 vLLM's CPU backend prefers,
+small enough that a short prompt's shared beginning fills whole blocks."""
+
+
 class EngineConfig(BaseModel):
     """Which engine serves, the model it serves, the vLLM servers it starts or reaches, and how calls are spread
     over them."""
@@ -368,6 +373,12 @@ class EngineConfig(BaseModel):
     tolerance the publish probe uses (`engine.publish_probe`). `auto`: bfloat16 for servers started on
     GPUs, float32 for servers on the CPU, and for servers given by `engine.urls` (dtype unknown here)
     bfloat16's wider tolerance."""
+    block_size: int | None = Field(default=None, gt=0, multiple_of=16)
+    """Tokens per KV-cache block of the vLLM servers started here (vLLM's `--block-size`). vLLM's prefix cache
+    reuses whole blocks only, so a prompt shorter than one block is computed in full on every call. None: 32
+    for servers on the CPU, where vLLM's default of 128 would leave every prompt under 128 tokens unshared (the
+    demo's are 78, of which the instructions and worked examples, the same in every call, fill two blocks of 32:
+    bench/results/replicas.md, part `block_size`); on GPUs, vLLM's own default."""
     publish_probe: bool = True
     """After loading a version into a replica, score a fixed sequence there and compare its logprobs with
     the trainer's for the new weights (engines/probe.py). A replica that does not match is taken out of
@@ -871,6 +882,9 @@ class Config(BaseSettings):
         dtype = self.engine.dtype
         if dtype == "auto":  # what engine.dtype's docstring promises
             dtype = "bfloat16" if plan.engine or self.engine.urls else "float32"
+        block_size = self.engine.block_size
+        if block_size is None and not plan.engine and not self.engine.urls:
+            block_size = CPU_BLOCK_SIZE
         admission = self.gateway.admission
         if admission == "auto":
             admission = "staleness" if training_here and self.train.mode == "async" else "none"
@@ -880,7 +894,8 @@ class Config(BaseSettings):
         if training_here and self.train.device == "auto":
             train["device"] = "cuda" if cuda_here() else "cpu"
         return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
-                                      "sleep": "on" if plan.sleep else "off", "dtype": dtype},
+                                      "sleep": "on" if plan.sleep else "off", "dtype": dtype,
+                                      "block_size": block_size},
                               gateway={"admission": admission}, train=train)
 
     def memory_transfer(self, plan: GPUPlan, *, training_here: bool) -> Literal["disk", "shm", "ipc"]:

@@ -8,7 +8,16 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from tracetrain.config import DEFAULT_POLICY, Config, TrainConfig, load_config, parse_set, policy_problem
+from tracetrain.config import (
+    CPU_BLOCK_SIZE,
+    DEFAULT_POLICY,
+    Config,
+    TrainConfig,
+    load_config,
+    parse_set,
+    policy_problem,
+)
+from tracetrain.engines.vllm_server import VLLMServer
 from tracetrain.store import models as store_models
 
 
@@ -156,6 +165,22 @@ def test_full_weights_go_from_memory_only_where_the_trainer_and_vllm_share_this_
     assert resolved("train.weight_transfer=disk") == "disk"
     assert resolved("engine.urls=http://127.0.0.1:9", "train.weight_transfer=shm") == "shm"  # as told
     assert resolved("train.backend=fsdp", "train.workers=2", "train.weight_transfer=shm") == "shm"
+
+
+def test_vllm_on_the_cpu_gets_kv_blocks_small_enough_for_short_prompts_to_share_a_prefix() -> None:
+    """vLLM's CPU default of 128-token blocks would never reuse a prompt under 128 tokens: servers started
+    on the CPU get 32-token blocks, a server given by URL is left as it was started, and a block size that
+    vLLM's kernels cannot use is refused as the config loads."""
+    def settled(*settings: str) -> int | None:
+        return Config(**parse_set(["engine.kind=vllm", *settings])).settled(training_here=True).engine.block_size
+
+    assert settled() == CPU_BLOCK_SIZE == 32
+    assert settled("engine.block_size=64") == 64
+    assert settled("engine.urls=http://127.0.0.1:9") is None  # not started here: nothing to pass
+    with pytest.raises(ValidationError, match="multiple of 16"):
+        Config(**parse_set(["engine.block_size=40"]))
+    assert VLLMServer("/models/m", python="python", block_size=32).command()[-2:] == ["--block-size", "32"]
+    assert "--block-size" not in VLLMServer("/models/m", python="python").command()
 
 
 def test_cuda_ipc_is_chosen_when_the_local_trainer_and_vllm_share_one_gpu() -> None:

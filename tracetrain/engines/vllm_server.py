@@ -181,7 +181,8 @@ class VLLMServer:
 
     On CPU, `kv_cache_gib` sets `VLLM_CPU_KVCACHE_SPACE`: vLLM otherwise sizes the KV cache from a
     fraction of all RAM, and an explicit size also lets it skip a warm-up pass at start. SmolLM2-135M
-    needs about 46 KB per token, so 2 GiB holds about 46k tokens.
+    needs about 46 KB per token, so 2 GiB holds about 46k tokens. `block_size`: tokens per KV-cache block
+    (`--block-size`; None: vLLM's default), the unit its prefix cache reuses (`engine.block_size`).
     """
 
     def __init__(
@@ -196,6 +197,7 @@ class VLLMServer:
         dtype: str = "float32",
         max_model_len: int | None = None,
         kv_cache_gib: int = 2,
+        block_size: int | None = None,
         enforce_eager: bool = True,
         enable_lora: bool = False,
         max_lora_rank: int = 16,
@@ -221,6 +223,7 @@ class VLLMServer:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
+        self.block_size = block_size
         self.enforce_eager = enforce_eager
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
@@ -259,6 +262,8 @@ class VLLMServer:
         # engines/vllm.py), so this server is configured as one a user starts by hand.
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
         if self.enable_lora:
             cmd += self._lora_args()
         return cmd + self.extra_args

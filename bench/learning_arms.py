@@ -31,7 +31,8 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
-  (`train.publish_overlap`);
+  (`train.publish_overlap`); `grouped+block128` with vLLM's own CPU default of 128-token KV-cache blocks
+  instead of `engine.block_size`'s 32, under which no prompt of the demo is reused from the prefix cache;
 - `multi-turn`: another task and agent (`tracetrain demo --agent tools`): a LangChain agent adds three
   numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
   its held-out set is its own, so compare its gain, not its level, with the others. `multi-turn-2` adds
@@ -88,7 +89,7 @@ class Arm:
     agent: tuple[str, ...] = ()
     """Flags for the demo agent on top of the episode budget."""
     train: tuple[str, ...] = ()
-    """`--set` values for the trainer."""
+    """`--set` values: the trainer's settings, or the engine's."""
     demo: tuple[str, ...] = ()
     """Flags for `tracetrain demo` itself (which agent runs)."""
 
@@ -131,6 +132,9 @@ ARMS = {
                                 "background", train=("train.state_in_background=false",)),
     "grouped+overlap": Arm("the demo's traffic; async mode, each publish overlapping the next step",
                            train=("train.mode=async", "train.publish_overlap=true")),
+    "grouped+block128": Arm("the demo's traffic; vLLM's CPU default of 128-token KV-cache blocks, so no prompt "
+                            "is reused from the prefix cache, as before engine.block_size",
+                            train=("engine.block_size=128",)),
     "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
                       "at the end, partial credit", ("--operands", "3", "--reward", "partial"),
                       demo=("--agent", "tools")),

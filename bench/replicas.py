@@ -1,9 +1,13 @@
-"""Replicas behind the gateway on vLLM CPU: one vs two replicas, session affinity vs round-robin, and
-failover when a replica is SIGKILLed under load.
+"""vLLM serving behind the gateway on the CPU, in two parts. `routing`: one vs two replicas, session
+affinity vs round-robin, and failover when a replica is SIGKILLed under load. `block_size`: vLLM's KV-cache
+block size and the demo's generation (bench/block_size.py says how).
 
-    python -m bench.replicas
-    python -m bench.replicas --seconds 30 --repeats 1 --no-failover
-    python -m bench.replicas --system-words 20 --tool-words 120 --turns 8 --no-failover   # agent-like
+    python -m bench.replicas                                  # both parts
+    python -m bench.replicas --parts routing --seconds 30 --repeats 1 --no-failover
+    python -m bench.replicas --parts routing --system-words 20 --tool-words 120 --turns 8 --no-failover
+    python -m bench.replicas --parts block_size               # 128 (vLLM's CPU default) against 32
+
+Part `routing`:
 
 Routing arms (each a fresh `tracetrain serve` with its own SQLite store, in front of the same two vLLM
 servers, run in rotated order, `--repeats` times): `1 replica`, `2 replicas sticky` (the default
@@ -41,18 +45,22 @@ from typing import Any
 import httpx
 from sqlmodel import Session, select
 
+from bench import block_size
 from bench.common import (
     OUT_DIR,
+    Part,
     ResultTable,
     ServerProcess,
     add_results_dir_argument,
     command_line,
     console,
     free_port,
+    parts_argument,
     percentile,
+    provenance,
     python_cmd,
+    run_parts,
     run_started,
-    write_results,
 )
 
 MODEL = "smollm2"
@@ -258,24 +266,12 @@ def failover(args: argparse.Namespace, table: ResultTable) -> dict[str, Any]:
             "serving_again_after_s": back}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--seconds", type=float, default=60)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--system-words", type=int, default=260, help="words in each session's system prompt")
-    parser.add_argument("--tool-words", type=int, default=0,
-                        help="words of tool result in each user turn (agent-like growing history)")
-    parser.add_argument("--no-failover", action="store_true")
-    add_results_dir_argument(parser)
-    args = parser.parse_args(argv)
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+def routing_part(args: argparse.Namespace, command: str) -> Part:
     started = run_started()
     routing = ResultTable("Routing: mean (min-max) over repeats",
                           ["arm", "runs", "calls/s", "p50 ms", "p99 ms", "prefix-cache hit %", "failed"])
-    raw: dict[str, Any] = {"arguments": vars(args), "routing": routing_arms(args, routing)}
+    raw: dict[str, Any] = {"arguments": {k: v for k, v in vars(args).items() if k != "results_dir"},
+                           "routing": routing_arms(args, routing)}
     tables = [routing]
     if not args.no_failover:
         kill = ResultTable("Failover: one of two replicas SIGKILLed under load",
@@ -293,10 +289,31 @@ def main(argv: list[str] | None = None) -> None:
              "2 cores: one vLLM CPU server computes on one core (vLLM's own binding); two replicas on one core "
              "each, sharing both with the gateway, their API processes and the load generator.",
              "lost: calls answered 200 whose completion id is not in the store (must be 0)."]
-    path = write_results("replicas", "Replicas behind the gateway (vLLM CPU, SmolLM2-135M)",
-                         command_line("bench.replicas", argv), tables, notes, raw=raw, started=started,
-                         results_dir=args.results_dir)
-    console.log(f"wrote {path}")
+    return Part("routing", command, provenance(started), tables, notes, raw)
+
+
+PARTS = {"routing": "one replica against two, session affinity against round-robin, and failover",
+         "block_size": "vLLM's KV-cache block size on the CPU and the demo's generation (`engine.block_size`)"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts_argument(parser, PARTS)
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--system-words", type=int, default=260, help="words in each session's system prompt")
+    parser.add_argument("--tool-words", type=int, default=0,
+                        help="words of tool result in each user turn (agent-like growing history)")
+    parser.add_argument("--no-failover", action="store_true")
+    block_size.add_arguments(parser)
+    add_results_dir_argument(parser)
+    args = parser.parse_args(argv)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    run_parts("replicas", "vLLM serving behind the gateway (vLLM CPU, SmolLM2-135M)", PARTS,
+              {"routing": routing_part, "block_size": block_size.part}, args, command_line("bench.replicas", argv))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ Arms (each changes one thing from `grouped`, today's demo traffic):
 - `grouped+disk` and `grouped+overlap`: the demo's traffic with the trainer's publish changed, to show
   where a step's time goes: through disk (how full weights were published before they went from memory),
   and in `async` mode with each publish on a thread of its own while the next step trains
-  (`train.publish_overlap`); `grouped+block128` with vLLM's own CPU default of 128-token KV-cache blocks
-  instead of `engine.block_size`'s 32, under which no prompt of the demo is reused from the prefix cache;
+  (`train.publish_overlap`); `grouped+vllm-cpu-defaults` with vLLM's own CPU defaults instead of
+  `engine.block_size` and `engine.cpu_cores`: 128-token KV-cache blocks, under which no prompt of the demo
+  is reused from the prefix cache, and one core of the two for generation;
 - `multi-turn`: another task and agent (`tracetrain demo --agent tools`): a LangChain agent adds three
   numbers with an `add` tool over three turns, rewarded once at the end (tracetrain/demo/tool_agent.py);
   its held-out set is its own, so compare its gain, not its level, with the others. `multi-turn-2` adds
@@ -132,9 +133,10 @@ ARMS = {
                                 "background", train=("train.state_in_background=false",)),
     "grouped+overlap": Arm("the demo's traffic; async mode, each publish overlapping the next step",
                            train=("train.mode=async", "train.publish_overlap=true")),
-    "grouped+block128": Arm("the demo's traffic; vLLM's CPU default of 128-token KV-cache blocks, so no prompt "
-                            "is reused from the prefix cache, as before engine.block_size",
-                            train=("engine.block_size=128",)),
+    "grouped+vllm-cpu-defaults": Arm("the demo's traffic; vLLM's own CPU defaults, as before engine.block_size and "
+                                     "engine.cpu_cores: 128-token KV-cache blocks (no prompt reused from the prefix "
+                                     "cache) and one core of two",
+                                     train=("engine.block_size=128", "engine.cpu_cores=vllm")),
     "multi-turn": Arm("LangChain tool agent: 3 numbers added in 2 forced tool calls, then the answer; one reward "
                       "at the end, partial credit", ("--operands", "3", "--reward", "partial"),
                       demo=("--agent", "tools")),

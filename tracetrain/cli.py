@@ -69,7 +69,8 @@ def start_vllm_servers(config: Config, model_dir: Path, stack: ExitStack) -> lis
                           extra_args=[*gpu_args(settings), *transfer_args, *settings.vllm_args],
                           enable_lora=config.publish_mode() == "lora",
                           max_lora_rank=config.train.lora_rank, max_loras=settings.max_loras,
-                          env={**replica_placement(i, settings.replicas, gpus[i] if gpus else None), **transfer_env})
+                          env={**replica_placement(i, settings.replicas, gpus[i] if gpus else None,
+                                                  every_core=settings.cpu_cores == "all"), **transfer_env})
                for i in range(settings.replicas)]
     for server in servers:
         stack.callback(server.stop)

@@ -379,6 +379,12 @@ class EngineConfig(BaseModel):
     for servers on the CPU, where vLLM's default of 128 would leave every prompt under 128 tokens unshared (the
     demo's are 78, of which the instructions and worked examples, the same in every call, fill two blocks of 32:
     bench/results/replicas.md, part `block_size`); on GPUs, vLLM's own default."""
+    cpu_cores: Literal["auto", "all", "vllm"] = "auto"
+    """The cores one vLLM server started on the CPU computes on. `vllm`: vLLM's own binding, every core but one,
+    which it leaves to its API process. `all`: every core this process may use. `auto`: `all` where a `sync`-mode
+    trainer runs in this process (it idles while vLLM generates, and vLLM idles while it trains), else `vllm` (an
+    `async` trainer computes while vLLM generates). Several replicas on the CPU share the cores out between them
+    whatever this says."""
     publish_probe: bool = True
     """After loading a version into a replica, score a fixed sequence there and compare its logprobs with
     the trainer's for the new weights (engines/probe.py). A replica that does not match is taken out of
@@ -885,6 +891,9 @@ class Config(BaseSettings):
         block_size = self.engine.block_size
         if block_size is None and not plan.engine and not self.engine.urls:
             block_size = CPU_BLOCK_SIZE
+        cpu_cores = self.engine.cpu_cores
+        if cpu_cores == "auto":  # what engine.cpu_cores' docstring promises
+            cpu_cores = "all" if training_here and self.train.mode == "sync" and not plan.engine else "vllm"
         admission = self.gateway.admission
         if admission == "auto":
             admission = "staleness" if training_here and self.train.mode == "async" else "none"
@@ -895,7 +904,7 @@ class Config(BaseSettings):
             train["device"] = "cuda" if cuda_here() else "cpu"
         return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
                                       "sleep": "on" if plan.sleep else "off", "dtype": dtype,
-                                      "block_size": block_size},
+                                      "block_size": block_size, "cpu_cores": cpu_cores},
                               gateway={"admission": admission}, train=train)
 
     def memory_transfer(self, plan: GPUPlan, *, training_here: bool) -> Literal["disk", "shm", "ipc"]:

@@ -183,6 +183,17 @@ def test_vllm_on_the_cpu_gets_kv_blocks_small_enough_for_short_prompts_to_share_
     assert "--block-size" not in VLLMServer("/models/m", python="python").command()
 
 
+def test_vllm_on_the_cpu_computes_on_every_core_while_a_sync_trainer_waits_for_it() -> None:
+    def cores(*settings: str, training_here: bool = True) -> str:
+        config = Config(**parse_set(["engine.kind=vllm", *settings]))
+        return config.settled(training_here=training_here).engine.cpu_cores
+
+    assert cores("train.mode=sync") == "all"  # the trainer idles while vLLM generates
+    assert cores("train.mode=async") == "vllm"  # both compute at once: vLLM leaves a core
+    assert cores("train.mode=sync", training_here=False) == "vllm"  # `serve`: no trainer here
+    assert cores("train.mode=async", "engine.cpu_cores=all") == "all"  # as told
+
+
 def test_cuda_ipc_is_chosen_when_the_local_trainer_and_vllm_share_one_gpu() -> None:
     from tracetrain.engines.gpus import GPUPlan
 

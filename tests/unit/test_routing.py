@@ -76,10 +76,14 @@ def test_round_robin_ignores_sessions() -> None:
 def test_replicas_started_here_get_devices_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert replica_placement(0, 1) == {}  # one server on the CPU keeps vLLM's own binding
+    assert replica_placement(0, 1, every_core=True) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3"}
     places = [replica_placement(i, 2) for i in range(2)]
     assert [p["VLLM_CPU_OMP_THREADS_BIND"] for p in places] == ["0,1", "2,3"]
     assert "CUDA_VISIBLE_DEVICES" not in places[0]
     assert replica_placement(1, 2, gpu="6")["CUDA_VISIBLE_DEVICES"] == "6"  # the GPU plan's choice (engines/gpus.py)
     assert replica_placement(0, 1, gpu="GPU-1f2e") == {"CUDA_VISIBLE_DEVICES": "GPU-1f2e"}
+    assert replica_placement(0, 1, gpu="3", every_core=True) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert [p["VLLM_CPU_OMP_THREADS_BIND"] for p in (replica_placement(i, 2, every_core=True) for i in range(2))] \
+        == ["0,1", "2,3"]  # replicas share the cores out whatever the setting
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert replica_placement(1, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # more replicas than cores: shared

@@ -114,16 +114,20 @@ def private_socket_path(name: str = "vllm.sock") -> Path:
     return path
 
 
-def replica_placement(index: int, count: int, gpu: str | None = None) -> dict[str, str]:
+def replica_placement(index: int, count: int, gpu: str | None = None, *, every_core: bool = False) -> dict[str, str]:
     """Environment that gives replica `index` of `count` servers on this machine its own devices: the
     GPU `gpu` (a `CUDA_VISIBLE_DEVICES` entry, engines/gpus.py), and on CPU builds its own share of
     this process's cores. Without it every CPU replica's OpenMP threads bind to the same cores (vLLM's
     automatic binding picks the same ones in each process), and on a 2-core machine one replica stalled
-    for a whole minute while the other ran. One server on the CPU keeps vLLM's own defaults."""
+    for a whole minute while the other ran. One server on the CPU keeps vLLM's own binding (every core but
+    one, left to its API process), or with `every_core` computes on all of this process's cores
+    (`engine.cpu_cores: all`)."""
     env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
-    if count <= 1:
-        return env
     cores = sorted(os.sched_getaffinity(0))
+    if count <= 1:
+        if every_core and gpu is None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+        return env
     share = max(1, len(cores) // count)
     mine = cores[index * share:(index + 1) * share] or cores[index % len(cores):][:1]
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)

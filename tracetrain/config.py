@@ -306,11 +306,6 @@ class ApiKey(BaseModel):
     the default policy."""
 
 
-CPU_BLOCK_SIZE = 32
-"""`engine.block_size` for vLLM servers started on the CPU: the multiple of 32 vLLM's CPU backend prefers,
-small enough that a short prompt's shared beginning fills whole blocks."""
-
-
 class EngineConfig(BaseModel):
     """Which engine serves, the model it serves, the vLLM servers it starts or reaches, and how calls are spread
     over them."""
@@ -374,17 +369,15 @@ class EngineConfig(BaseModel):
     GPUs, float32 for servers on the CPU, and for servers given by `engine.urls` (dtype unknown here)
     bfloat16's wider tolerance."""
     block_size: int | None = Field(default=None, gt=0, multiple_of=16)
-    """Tokens per KV-cache block of the vLLM servers started here (vLLM's `--block-size`). vLLM's prefix cache
-    reuses whole blocks only, so a prompt shorter than one block is computed in full on every call. None: 32
-    for servers on the CPU, where vLLM's default of 128 would leave every prompt under 128 tokens unshared (the
-    demo's are 78, of which the instructions and worked examples, the same in every call, fill two blocks of 32:
-    bench/results/replicas.md, part `block_size`); on GPUs, vLLM's own default."""
-    cpu_cores: Literal["auto", "all", "vllm"] = "auto"
+    """Tokens per KV-cache block of the vLLM servers started here (vLLM's `--block-size`; None: vLLM's own, 128
+    on the CPU). vLLM's prefix cache reuses whole blocks only, so on the CPU no prompt under 128 tokens is ever
+    reused (the demo's are 78). 32 makes the demo's generation about twice as fast, but the demo learned less
+    with it and `cpu_cores: all` (docs/architecture.md, "vLLM on the CPU"), so it is not the default."""
+    cpu_cores: Literal["vllm", "all"] = "vllm"
     """The cores one vLLM server started on the CPU computes on. `vllm`: vLLM's own binding, every core but one,
-    which it leaves to its API process. `all`: every core this process may use. `auto`: `all` where a `sync`-mode
-    trainer runs in this process (it idles while vLLM generates, and vLLM idles while it trains), else `vllm` (an
-    `async` trainer computes while vLLM generates). Several replicas on the CPU share the cores out between them
-    whatever this says."""
+    which it leaves to its API process. `all`: every core this process may use, for a `sync`-mode trainer in
+    this process, which idles while vLLM generates (docs/architecture.md, "vLLM on the CPU"). Several replicas
+    on the CPU share the cores out between them whatever this says."""
     publish_probe: bool = True
     """After loading a version into a replica, score a fixed sequence there and compare its logprobs with
     the trainer's for the new weights (engines/probe.py). A replica that does not match is taken out of
@@ -888,12 +881,6 @@ class Config(BaseSettings):
         dtype = self.engine.dtype
         if dtype == "auto":  # what engine.dtype's docstring promises
             dtype = "bfloat16" if plan.engine or self.engine.urls else "float32"
-        block_size = self.engine.block_size
-        if block_size is None and not plan.engine and not self.engine.urls:
-            block_size = CPU_BLOCK_SIZE
-        cpu_cores = self.engine.cpu_cores
-        if cpu_cores == "auto":  # what engine.cpu_cores' docstring promises
-            cpu_cores = "all" if training_here and self.train.mode == "sync" and not plan.engine else "vllm"
         admission = self.gateway.admission
         if admission == "auto":
             admission = "staleness" if training_here and self.train.mode == "async" else "none"
@@ -903,8 +890,7 @@ class Config(BaseSettings):
         if training_here and self.train.device == "auto":
             train["device"] = "cuda" if cuda_here() else "cpu"
         return config.updated(engine={"gpus": plan.engine, "memory_share": plan.memory_share,
-                                      "sleep": "on" if plan.sleep else "off", "dtype": dtype,
-                                      "block_size": block_size, "cpu_cores": cpu_cores},
+                                      "sleep": "on" if plan.sleep else "off", "dtype": dtype},
                               gateway={"admission": admission}, train=train)
 
     def memory_transfer(self, plan: GPUPlan, *, training_here: bool) -> Literal["disk", "shm", "ipc"]:

@@ -36,7 +36,6 @@ VLLM_MAX_LORA_RANK = 16
 
 
 def _shared_server(model_dir: Path, log_dir: Path) -> VLLMServer:
-    from tracetrain.config import CPU_BLOCK_SIZE
     from tracetrain.engines.vllm_server import VLLMServer
     from tracetrain.engines.weight_transfer import server_config
 
@@ -45,7 +44,6 @@ def _shared_server(model_dir: Path, log_dir: Path) -> VLLMServer:
         served_model_name="smollm2",
         max_model_len=VLLM_MAX_MODEL_LEN,
         kv_cache_gib=2,
-        block_size=CPU_BLOCK_SIZE,  # as the gateway starts vLLM on the CPU
         enable_lora=True,
         max_lora_rank=VLLM_MAX_LORA_RANK,
         extra_args=server_config("shm")[0],  # full weights from memory (test_publish.py)

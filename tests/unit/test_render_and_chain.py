@@ -310,3 +310,14 @@ def test_every_echo_of_an_unread_call_hashes_like_the_reply() -> None:
     assert same == history_hashes(None, [canonical_message(question), canonical_message(reply)])[-1]
     assert same != state('{"q": "ab', call_id="call_cut_2") != state('{"q": "ab', call_id="call_2")
     assert same != state('{"q": "ab', content="text")
+
+
+def test_tool_calls_on_a_message_that_cannot_make_them_are_not_read() -> None:
+    """Messages keep unknown fields, so a user or tool message may carry a `tool_calls` of any shape (a fuzzer
+    sent ints, which once raised a 500): only an assistant's validated calls reach the model."""
+    for role in ("user", "system", "tool", "function"):
+        message = {"role": role, "content": "hi", "tool_calls": [5, {"function": 3}, "x"]}
+        assert "tool_calls" not in canonical_message(message)
+    reply = canonical_message({"role": "assistant", "content": None,
+                               "tool_calls": [{"id": "c1", "function": {"name": "add", "arguments": '{"a": 1}'}}]})
+    assert reply["tool_calls"] == [{"name": "add", "arguments": '{"a": 1}'}]

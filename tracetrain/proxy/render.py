@@ -63,7 +63,9 @@ def canonical_message(message: dict[str, Any]) -> dict[str, Any]:
     A call the gateway could not read keeps its id: the chain knows it by that (see `history_hashes`)."""
     role = {"developer": "system", "function": "tool"}.get(message["role"], message["role"])
     out: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
-    calls = message.get("tool_calls") or []
+    # Only an assistant's tool calls are read, and validated (protocol.ToolCall); a `tool_calls` key on another
+    # role is an extra field of any shape, which the model never sees.
+    calls = (message.get("tool_calls") or []) if role == "assistant" else []
     if calls:
         out["tool_calls"] = []
         for call in calls:

@@ -176,6 +176,13 @@ class TrainConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
     compute."""
+    shared_prefix: bool = True
+    """Run the tokens every sequence of a forward/backward pass begins with once, not once per sequence:
+    the other sequences read their keys and values, and their gradients flow back through that one pass
+    (trainer/step.py `SampledLogits`). Same gradients up to float rounding; agents that open every prompt
+    with the same instructions and examples, and groups that repeat one prompt, train several times
+    faster. Off by default with `activation_checkpointing` or `torch_compile`, and refused with them:
+    neither keeps the keys and values the shared pass hands on."""
     torch_compile: bool = False
     """Compile each decoder layer with torch.compile: its norms, activations and rotary embeddings run
     as fused kernels instead of one kernel each. The first steps are slower while it compiles (again for
@@ -209,6 +216,12 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:
+        recomputing = [name for name in ("activation_checkpointing", "torch_compile") if getattr(self, name)]
+        if recomputing and self.shared_prefix:
+            if "shared_prefix" in self.model_fields_set:
+                raise ValueError(f"train.shared_prefix cannot be used with train.{recomputing[0]}: it hands the "
+                                 f"shared beginning's keys and values on, which {recomputing[0]} does not keep")
+            self.shared_prefix = False
         if self.min_sessions == 0:
             self.min_sessions = max(1, self.batch_sessions // 2)
         if self.backend == "local" and self.workers > 1:

@@ -8,6 +8,7 @@ segment's first call; or, when an admin overrode it, the override, for every seg
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -74,8 +75,23 @@ def zero_variance_groups(samples: list[Sample]) -> set[str]:
     return {g for g, rs in rewards.items() if len(rs) > 1 and max(rs) - min(rs) < 1e-9}
 
 
-def pack(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Micro-batches of sample indices whose padded size (count x longest) fits `token_budget`.
+def common_prefix(rows: list[list[int]]) -> int:
+    """How many leading tokens all of `rows` share (0 for fewer than two rows)."""
+    if len(rows) < 2:
+        return 0
+    shortest = min(len(r) for r in rows)
+    first = rows[0]
+    for position in range(shortest):
+        token = first[position]
+        if any(r[position] != token for r in rows):
+            return position
+    return shortest
+
+
+def pack(indices: list[int], lengths: list[int], token_budget: int, shared: int = 0) -> list[list[int]]:
+    """Micro-batches of sample indices whose tokens computed fit `token_budget`: count x longest, or with
+    `shared` leading tokens common to every sample (computed once, `train.shared_prefix`), shared +
+    count x (longest - shared).
 
     Longest first, so similar lengths share a micro-batch and padding stays small; a sample longer
     than the budget gets a micro-batch of its own.
@@ -85,7 +101,7 @@ def pack(indices: list[int], lengths: list[int], token_budget: int) -> list[list
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > token_budget:
+        if current and shared + (len(current) + 1) * (longest - shared) > token_budget:
             batches.append(current)
             current = []
         current.append(i)
@@ -119,10 +135,13 @@ class MicroBatch:
     mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
+    shared: int = 0
+    """Leading positions where every row holds the same tokens (fewer than the width): the shared-prefix
+    pass computes them once (trainer/step.py)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return MicroBatch(self.indices, *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets,
-                                                                 self.mask, self.behaviour_logprobs, self.versions)))
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in (
+            "input_ids", "attention_mask", "targets", "mask", "behaviour_logprobs", "versions")})
 
 
 def collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:
@@ -137,4 +156,14 @@ def collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatc
     loss_mask = padded([s.loss_mask for s in chosen], 0, torch.float32)
     logprobs = padded([s.logprobs for s in chosen], 0.0, torch.float32)
     versions = padded([s.versions for s in chosen], -1, torch.long)
-    return MicroBatch(indices, ids, attention, ids[:, 1:], loss_mask[:, 1:], logprobs[:, 1:], versions[:, 1:])
+    shared = min(common_prefix([s.input_ids for s in chosen]), width - 1)
+    return MicroBatch(indices, ids, attention, ids[:, 1:], loss_mask[:, 1:], logprobs[:, 1:], versions[:, 1:],
+                      shared)
+
+
+def pack_samples(samples: list[Sample], indices: list[int], token_budget: int, *, shared_prefix: bool
+                  ) -> list[list[int]]:
+    """`indices` packed for one worker's passes. With `shared_prefix` the budget counts the beginning all
+    of them share once, as the passes compute it (each micro-batch shares at least that much)."""
+    shared = common_prefix([samples[i].input_ids for i in indices]) if shared_prefix else 0
+    return pack(indices, [len(s.input_ids) for s in samples], token_budget, shared)

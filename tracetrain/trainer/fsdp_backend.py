@@ -25,7 +25,7 @@ import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.trainer.backend import StepBatch
-from tracetrain.trainer.data import balance, pack
+from tracetrain.trainer.data import balance, pack_samples
 from tracetrain.trainer.devices import resolve_device, trainer_visible_devices
 from tracetrain.trainer.fsdp_worker import FSDPWorker
 from tracetrain.trainer.step import BatchShare
@@ -143,8 +143,8 @@ class FSDPBackend:
         samples, advantages = batch.samples, batch.advantages
         assert advantages is not None, "fsdp trains rl: it needs advantages"
         shares = balance([len(s.input_ids) for s in samples], self.cfg.workers)
-        passes = max(len(pack(share, [len(s.input_ids) for s in samples], self.cfg.micro_batch_tokens))
-                     for share in shares if share)
+        passes = max(len(pack_samples(samples, share, self.cfg.micro_batch_tokens,
+                                      shared_prefix=self.cfg.shared_prefix)) for share in shares if share)
         tokens = sum(s.num_sampled for s in samples)
         futures = []
         for worker, share in zip(self.workers, shares, strict=True):

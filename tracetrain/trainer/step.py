@@ -15,7 +15,7 @@ from tracetrain.trainer.algorithms.baseline import RunningBaseline
 from tracetrain.trainer.algorithms.dpo import dpo_loss, preference_pairs
 from tracetrain.trainer.algorithms.importance import truncated_is_weights
 from tracetrain.trainer.algorithms.sft import select_for_sft, sft_loss
-from tracetrain.trainer.data import MicroBatch, Sample, collate, pack, zero_variance_groups
+from tracetrain.trainer.data import MicroBatch, Sample, collate, pack_samples, zero_variance_groups
 
 
 @dataclass
@@ -55,10 +55,32 @@ class SampledLogits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        # no KV cache: nothing reads it in a scoring pass, and filling it guards compiled layers on their index
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return self.model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][where])  # type: ignore[no-any-return]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
+                shared: int = 0) -> torch.Tensor:
+        """`shared`: leading positions identical in every row, run once (`shared_hidden`); 0 runs every row
+        whole."""
+        decoder = self.model.get_decoder()
+        if shared > 0 and len(input_ids) > 1:
+            hidden = shared_hidden(decoder, input_ids, attention_mask, shared)
+        else:
+            # no KV cache: nothing reads it here, and filling it guards compiled layers on their index
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.model.get_output_embeddings()(hidden[:, :-1][where])  # type: ignore[no-any-return]
+
+
+def shared_hidden(decoder: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int) -> torch.Tensor:
+    """The decoder's hidden states for right-padded rows whose first `shared` tokens are the same, with
+    those tokens run once: one row's prefix pass fills a KV cache, which every row then continues from.
+    Gradients of the shared positions' keys and values sum over the rows back through the one pass, so
+    the result equals the plain pass (`use_cache=False` on the whole rows) up to float rounding
+    (tests/unit/test_shared_prefix.py compares the two)."""
+    rows = len(input_ids)
+    prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=True)
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(rows)
+    rest = decoder(input_ids=input_ids[:, shared:], attention_mask=attention_mask, past_key_values=cache,
+                   use_cache=True)
+    return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest.last_hidden_state], dim=1)
 
 
 @torch.no_grad()
@@ -77,11 +99,13 @@ def token_logprobs(policy: SampledLogits, token_ids: list[int]) -> list[float]:
         policy.train(training)
 
 
-def sequence_logprobs(policy: SampledLogits, micro: MicroBatch, *, entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each sampled target token under `policy` (0 elsewhere), and optionally its entropy."""
+def sequence_logprobs(policy: SampledLogits, micro: MicroBatch, *, entropy: bool = False,
+                      shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each sampled target token under `policy` (0 elsewhere), and optionally its entropy.
+    `shared_prefix`: run the micro-batch's common beginning once (`train.shared_prefix`)."""
     where = micro.mask > 0
-    log_p = torch.log_softmax(policy(micro.input_ids, micro.attention_mask, where).float(), dim=-1)
+    shared = micro.shared if shared_prefix else 0
+    log_p = torch.log_softmax(policy(micro.input_ids, micro.attention_mask, where, shared).float(), dim=-1)
     logprobs = torch.zeros_like(micro.mask, dtype=log_p.dtype)
     logprobs[where] = log_p.gather(-1, micro.targets[where].unsqueeze(-1)).squeeze(-1)
     if not entropy:
@@ -126,10 +150,10 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
                pad_id: int, reference: SampledLogits | None = None, share: BatchShare | None = None
                ) -> dict[str, float]:
     started = time.perf_counter()
-    samples = inputs.samples
+    samples, shared = inputs.samples, cfg.shared_prefix
     device = next(model.parameters()).device
     micro_batches = [collate(samples, idx, pad_id).to(device) for idx in
-                     pack(list(range(len(samples))), [len(s.input_ids) for s in samples], cfg.micro_batch_tokens)]
+                     pack_samples(samples, list(range(len(samples))), cfg.micro_batch_tokens, shared_prefix=shared)]
     num_tokens = sum(int(mb.mask.sum()) for mb in micro_batches)
     share = share or BatchShare(num_tokens, len(samples), 1, len(micro_batches))
     # weight 0: a pass that only keeps this worker in step with the others' collectives
@@ -140,13 +164,14 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
                                    batch_num_tokens=share.num_tokens, global_batch_size=share.num_samples,
                                    dp_size=share.dp_size)
     model.train()
-    old = [sequence_logprobs(model, mb)[0].detach() for mb in micro_batches] if cfg.ppo_epochs > 1 else None
+    old = [sequence_logprobs(model, mb, shared_prefix=shared)[0].detach() for mb in micro_batches] \
+        if cfg.ppo_epochs > 1 else None
     totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0}
     clipped: float | None = None
     """Share of sampled tokens whose importance ratio the policy loss clipped (when the loss reports it)."""
     for _epoch in range(cfg.ppo_epochs):
         for k, (mb, weight) in enumerate(zip(micro_batches, weights, strict=True)):
-            logprobs, entropies = sequence_logprobs(model, mb, entropy=cfg.entropy_coef > 0)
+            logprobs, entropies = sequence_logprobs(model, mb, entropy=cfg.entropy_coef > 0, shared_prefix=shared)
             old_logprobs = old[k] if old is not None else logprobs.detach()
             advantages = torch.tensor([inputs.advantages[i] for i in mb.indices], device=device).unsqueeze(1) * mb.mask
             is_weights = truncated_is_weights(old_logprobs, mb.behaviour_logprobs, mb.mask, cfg.tis_cap) \
@@ -158,7 +183,7 @@ def train_step(model: SampledLogits, optimizer: torch.optim.Optimizer, inputs: S
                     / max(share.num_tokens, 1) / cfg.ppo_epochs
             if cfg.kl_coef > 0 and reference is not None:
                 with torch.no_grad():
-                    ref_logprobs, _ = sequence_logprobs(reference, mb)
+                    ref_logprobs, _ = sequence_logprobs(reference, mb, shared_prefix=shared)
                 kl = verl_ops.aggregate(verl_ops.kl_to_reference(logprobs, ref_logprobs, cfg.kl_type), mb.mask, config)
                 loss = loss + cfg.kl_coef * kl
                 totals["kl"] += weight * float(kl.detach()) / share.dp_size
@@ -204,12 +229,12 @@ def sft_step(model: SampledLogits, optimizer: torch.optim.Optimizer, samples: li
         return {"loss": 0.0, "trained_tokens": 0}
     device = next(model.parameters()).device
     micro_batches = [collate(samples, idx, pad_id).to(device) for idx in
-                     pack(chosen, [len(s.input_ids) for s in samples], cfg.micro_batch_tokens)]
+                     pack_samples(samples, chosen, cfg.micro_batch_tokens, shared_prefix=cfg.shared_prefix)]
     num_tokens = sum(int(mb.mask.sum()) for mb in micro_batches)
     model.train()
     total = 0.0
     for mb in micro_batches:
-        loss = sft_loss(sequence_logprobs(model, mb)[0], mb.mask, num_tokens)
+        loss = sft_loss(sequence_logprobs(model, mb, shared_prefix=cfg.shared_prefix)[0], mb.mask, num_tokens)
         loss.backward()
         total += float(loss)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -231,9 +256,9 @@ def dpo_step(model: SampledLogits, reference: SampledLogits | None, optimizer: t
     total = 0.0
     for chosen, rejected in pairs:
         mb = collate(samples, [chosen, rejected], pad_id).to(next(model.parameters()).device)
-        policy = (sequence_logprobs(model, mb)[0] * mb.mask).sum(-1)
+        policy = (sequence_logprobs(model, mb, shared_prefix=cfg.shared_prefix)[0] * mb.mask).sum(-1)
         with torch.no_grad():
-            ref = (sequence_logprobs(reference, mb)[0] * mb.mask).sum(-1)
+            ref = (sequence_logprobs(reference, mb, shared_prefix=cfg.shared_prefix)[0] * mb.mask).sum(-1)
         loss = dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], cfg.dpo_beta) / len(pairs)
         loss.backward()
         total += float(loss)

@@ -1,11 +1,12 @@
-"""Trainer throughput on SmolLM2-135M (fp32), full fine-tuning and LoRA r16, in two parts:
+"""Trainer throughput on SmolLM2-135M (fp32), full fine-tuning and LoRA r16, in three parts:
 
 - `mfu`: tokens/s and model FLOPs utilisation of the trainer's own `train_step` in this process;
 - `backends`: the `local` backend against `fsdp` with 1 and 2 workers (Ray actors), each arm in a fresh
   process: tokens/s, parameter + optimizer bytes per worker (what FSDP exists to shrink), peak resident
-  memory per worker, and FSDP's start-up (Ray, the workers, the process group).
+  memory per worker, and FSDP's start-up (Ray, the workers, the process group);
+- `shared_prefix`: the demo's batches with `train.shared_prefix` off and on (bench/shared_prefix.py).
 
-    python -m bench.trainer_throughput                       # both parts
+    python -m bench.trainer_throughput                       # every part
     python -m bench.trainer_throughput --parts mfu --shapes 32x48+16 --steps 2
     python -m bench.trainer_throughput --parts backends --repeats 1 --arms fsdp-2
 
@@ -44,19 +45,25 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import shared_prefix
 from bench.common import (
+    Part,
+    PartRunner,
     ResultTable,
     add_results_dir_argument,
     command_line,
     console,
+    parts_argument,
+    provenance,
+    run_parts,
     run_started,
-    write_results,
 )
 from tracetrain.config import TrainConfig
 from tracetrain.engines.models import smollm2_dir
@@ -334,10 +341,25 @@ def backends_part(args: argparse.Namespace) -> tuple[ResultTable, list[str], dic
     return table, notes, {"runs": runs}
 
 
+PARTS = {"mfu": "tokens/s and MFU of the trainer's step, full fine-tuning and LoRA",
+         "backends": "the local backend against FSDP2 with 1 and 2 workers",
+         "shared_prefix": "the demo's batches with `train.shared_prefix` off and on"}
+
+
+def _as_part(name: str, run: Callable[[argparse.Namespace], tuple[ResultTable, list[str], dict[str, Any]]]
+             ) -> PartRunner:
+    def runner(args: argparse.Namespace, command: str) -> Part:
+        started = run_started()
+        table, notes, raw = run(args)
+        return Part(name, command, provenance(started), [table], notes, raw)
+
+    return runner
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.trainer_throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="mfu,backends", help="comma-separated of mfu, backends")
+    parts_argument(parser, PARTS)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration, after one warm-up")
     parser.add_argument("--shapes", nargs="+", default=["32x48+16", "8x384+128"],
                         help="mfu: BxP+C, B sequences of P prompt and C sampled tokens")
@@ -349,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="16x48+16", help="backends: BxP+C of the one batch every arm steps on")
     parser.add_argument("--backend-micro-batch-tokens", type=int, default=1024,
                         help="backends: the micro-batch budget")
+    shared_prefix.add_arguments(parser)
     parser.add_argument("--one", nargs=2, metavar=("ARM", "MODE"), help=argparse.SUPPRESS)
     add_results_dir_argument(parser)
     args = parser.parse_args(argv)
@@ -356,21 +379,9 @@ def main(argv: list[str] | None = None) -> None:
         figures = run_one(args.one[0], args.one[1], Shape.parse(args.shape), args.steps, args.micro_batch_tokens)
         print("RESULT " + json.dumps(figures))
         return
-    parts = [p for p in args.parts.split(",") if p]
-    if unknown := set(parts) - {"mfu", "backends"}:
-        parser.error(f"--parts: unknown {sorted(unknown)}")
-    started = run_started()
-    tables, notes, raw = [], [], {}
-    for part, run in (("mfu", mfu_part), ("backends", backends_part)):
-        if part in parts:
-            table, part_notes, raw[part] = run(args)
-            console.print(table.rich())
-            tables.append(table)
-            notes += [f"{part}: {n}" for n in part_notes]
-    path = write_results("trainer_throughput", "Trainer throughput, MFU and backends",
-                         command_line("bench.trainer_throughput", argv), tables, notes, raw=raw, started=started,
-                         results_dir=args.results_dir)
-    console.log(f"wrote {path}")
+    run_parts("trainer_throughput", "Trainer throughput, MFU and backends", PARTS,
+              {"mfu": _as_part("mfu", mfu_part), "backends": _as_part("backends", backends_part),
+               "shared_prefix": shared_prefix.part}, args, command_line("bench.trainer_throughput", argv))
 
 
 if __name__ == "__main__":

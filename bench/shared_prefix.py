@@ -104,7 +104,7 @@ def measure(repetitions: int) -> dict[str, Any]:
             results = {arm: _step(start, optimizer_state, samples, configs[arm], pad) for arm in order}
             (plain, plain_weights), (shared, shared_weights) = results["plain"], results["shared"]
             drift = max(float((shared_weights[n] - w).abs().max()) for n, w in plain_weights.items())
-            moved = max(float((w - start.get_parameter(n)).abs().max()) for n, w in plain_weights.items())
+            moved = max(float((w - start.get_parameter(n).detach()).abs().max()) for n, w in plain_weights.items())
             for arm in ARMS:
                 figures = results[arm][0]
                 runs.append({"shape": shape, "arm": arm, "repetition": rep,
@@ -161,7 +161,8 @@ def part(args: argparse.Namespace, command: str) -> Part:
         "with the shared prefix a micro-batch's common beginning counts once, so more samples fit one pass.",
         "largest weight difference: between the two arms' trainable weights after the step (the adapter), "
         "beside the largest change the step made to any of them.",
-        "groups: the demo's prompts share the instructions and worked examples, and a group's 8 attempts their "
-        "whole question; singletons share only the instructions and worked examples.",
+        "Every prompt opens with the same instructions and worked examples (65 tokens), which is what a pass "
+        "shares when it holds several problems, in both batches. A group's 8 attempts also share their question, "
+        "which a pass computes once only when it holds that group alone.",
     ]
     return Part("shared_prefix", command, provenance(started), tables(raw), notes, raw)

@@ -424,11 +424,15 @@ class Part:
         return "\n".join(lines) + "\n"
 
 
-def parts_argument(parser: argparse.ArgumentParser, parts: dict[str, str]) -> None:
-    """`--parts`: which of the benchmark's parts to run (default all); the others keep their results."""
+def parts_parser(module: str, doc: str | None, parts: dict[str, str]) -> argparse.ArgumentParser:
+    """The command line of a benchmark in parts (`python -m <module>`, its docstring as the help), with
+    `--parts`: which parts to run (default all); the others keep their results."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(parts), type=lambda text: _parts_of(text, parts),
                         help=f"comma-separated of {', '.join(parts)} (default all); the results of the parts not "
                         "run are kept from the current results file")
+    return parser
 
 
 def _parts_of(text: str, parts: dict[str, str]) -> list[str]:

@@ -44,7 +44,7 @@ import argparse
 import logging
 
 from bench import policy_learning
-from bench.common import add_results_dir_argument, command_line, parts_argument, run_parts
+from bench.common import add_results_dir_argument, command_line, parts_parser, run_parts
 from bench.policy_scheduling import scheduler_part
 from bench.policy_serving import ARMS, POLICIES, serving_part
 
@@ -63,9 +63,7 @@ def _arms(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts_argument(p, PARTS)
+    p = parts_parser("bench.policies", __doc__, PARTS)
     p.add_argument("--seconds", type=float, default=None,
                    help="seconds each scheduler runs (default 60) and each serving run measures (default 25)")
     p.add_argument("--quiet-rate", type=float, default=1.0, help="scheduler: quiet's sessions per second (busy: 10×)")

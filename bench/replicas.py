@@ -55,7 +55,7 @@ from bench.common import (
     command_line,
     console,
     free_port,
-    parts_argument,
+    parts_parser,
     percentile,
     provenance,
     python_cmd,
@@ -297,9 +297,7 @@ PARTS = {"routing": "one replica against two, session affinity against round-rob
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts_argument(parser, PARTS)
+    parser = parts_parser("bench.replicas", __doc__, PARTS)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=60)

@@ -53,7 +53,7 @@ from bench.common import (
     command_line,
     console,
     free_port,
-    parts_argument,
+    parts_parser,
     percentile,
     provenance,
     python_cmd,
@@ -440,9 +440,7 @@ PARTS = {"simulated": "the canary's sequential test on simulated rewards (former
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts_argument(parser, PARTS)
+    parser = parts_parser("bench.soak", __doc__, PARTS)
     # None: the gateway's own default (PromotionConfig), which is what a user gets and what both parts report
     parser.add_argument("--share", type=float, default=None, help="promotion.canary_share (default: the config's)")
     parser.add_argument("--min-sessions", type=int, default=None, help="promotion.min_sessions (default: the config's)")

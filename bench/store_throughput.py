@@ -57,7 +57,7 @@ from bench.common import (
     command_line,
     console,
     free_port,
-    parts_argument,
+    parts_parser,
     percentile,
     provenance,
     python_cmd,
@@ -424,12 +424,7 @@ PARTS = {"writer": "committed calls/s through the store's writer",
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.store_throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parts_argument(parser, PARTS)
+    parser = parts_parser("bench.store_throughput", __doc__, PARTS)
     writer = parser.add_argument_group("part writer")
     writer.add_argument("--stores", default=",".join(STORES), help=f"comma-separated of {', '.join(STORES)}")
     writer.add_argument("--concurrency", default="1,16,256", help="submitters, comma-separated (default 1,16,256)")

@@ -60,7 +60,7 @@ from bench.common import (
     add_results_dir_argument,
     command_line,
     console,
-    parts_argument,
+    parts_parser,
     provenance,
     run_parts,
     run_started,
@@ -357,9 +357,7 @@ def _as_part(name: str, run: Callable[[argparse.Namespace], tuple[ResultTable, l
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.trainer_throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts_argument(parser, PARTS)
+    parser = parts_parser("bench.trainer_throughput", __doc__, PARTS)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration, after one warm-up")
     parser.add_argument("--shapes", nargs="+", default=["32x48+16", "8x384+128"],
                         help="mfu: BxP+C, B sequences of P prompt and C sampled tokens")

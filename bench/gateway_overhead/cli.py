@@ -17,7 +17,7 @@ from bench.common import (
     add_results_dir_argument,
     command_line,
     console,
-    parts_argument,
+    parts_parser,
     provenance,
     run_parts,
     run_started,
@@ -45,8 +45,7 @@ PARTS = {"overhead": "what the gateway adds on top of the upstream",
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway_overhead", description=PACKAGE_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parts_parser("bench.gateway_overhead", PACKAGE_DOC, PARTS)
     p.add_argument("--upstream", choices=UPSTREAMS, default="fixed",
                    help="the fixed-output server (default) or real vLLM on SmolLM2")
     p.add_argument("--upstream-url", help="use the server already running here instead of starting one (with "
@@ -77,7 +76,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-timeout", type=float, default=180.0, help="stop sending in a phase after this (s)")
     p.add_argument("--redaction-rounds", type=int, default=30,
                    help="part redaction: sessions timed per conversation length and mode (default 30)")
-    parts_argument(p, PARTS)
     add_results_dir_argument(p)
     return p
 

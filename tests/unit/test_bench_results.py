@@ -14,7 +14,7 @@ from bench.common import (
     Part,
     ResultTable,
     carried_part,
-    parts_argument,
+    parts_parser,
     provenance,
     read_parts,
     run_started,
@@ -113,8 +113,7 @@ def test_running_one_part_keeps_the_others_results(tmp_path: Path) -> None:
 
 
 def test_parts_flag_keeps_the_benchmarks_order_and_refuses_unknown_parts() -> None:
-    parser = argparse.ArgumentParser()
-    parts_argument(parser, {"a": "first", "b": "second"})
+    parser = parts_parser("bench.example", "An example.", {"a": "first", "b": "second"})
     assert parser.parse_args([]).parts == ["a", "b"]
     assert parser.parse_args(["--parts", "b,a"]).parts == ["a", "b"]
     with pytest.raises(SystemExit):

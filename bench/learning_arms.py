@@ -237,16 +237,16 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], started: RunSta
     """The tables, plot and notes for `runs`. `recorded`: the results file being re-rendered (`--report-only`),
     whose command and provenance stay."""
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
-    seeds = sorted({r["seed"] for r in runs})
     table = ResultTable(f"held-out mean reward ({args.eval_size} {args.eval_split} problems, greedy): mean (min–max) "
-                        f"over seeds {', '.join(map(str, seeds))}",
-                        ["arm", "traffic", "before (untrained)", "after", "gain", "episodes", "rewarded",
+                        "over each arm's seeds",
+                        ["arm", "traffic", "seeds", "before (untrained)", "after", "gain", "episodes", "rewarded",
                          "trained on", "set aside (by reason, mean per run)", "versions"])
     for arm in arms:
         mine = [r for r in runs if r["arm"] == arm]
         reasons = sorted({k for r in mine for k, n in _set_aside(r).items() if n})
         aside = ", ".join(f"{k} {statistics.fmean(_set_aside(r).get(k, 0) for r in mine):.0f}" for k in reasons)
-        table.add(arm, ARMS[arm].label, _spread([r["before"]["mean_reward"] for r in mine]),
+        table.add(arm, ARMS[arm].label, ", ".join(str(seed) for seed in sorted({r["seed"] for r in mine})),
+                  _spread([r["before"]["mean_reward"] for r in mine]),
                   _spread([r["after"]["mean_reward"] for r in mine]),
                   _spread([r["after"]["mean_reward"] - r["before"]["mean_reward"] for r in mine], "{:+.3f}"),
                   _spread([float(r["episodes"]) for r in mine], "{:.0f}"),

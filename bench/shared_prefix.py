@@ -33,7 +33,7 @@ from tracetrain.demo import arithmetic
 from tracetrain.demo.run import DEMO_TRAINING
 from tracetrain.engines.models import smollm2_dir
 from tracetrain.trainer.checkpoint import build_model
-from tracetrain.trainer.data import Sample, common_prefix, pack_samples
+from tracetrain.trainer.data import Sample, collate, pack_samples
 from tracetrain.trainer.step import SampledLogits, StepInputs, train_step
 
 SHAPES = {"groups": (4, 8), "singletons": (32, 1)}
@@ -64,10 +64,10 @@ def _tokens(samples: list[Sample], cfg: TrainConfig) -> int:
     total = 0
     for batch in pack_samples(samples, list(range(len(samples))), cfg.micro_batch_tokens,
                               shared_prefix=cfg.shared_prefix):
-        rows = [samples[i].input_ids for i in batch]
-        width = max(len(r) for r in rows)
-        shared = min(common_prefix(rows), width - 1) if cfg.shared_prefix else 0
-        total += shared + len(rows) * (width - shared)
+        micro = collate(samples, batch, pad_id=0)
+        rows, width = micro.input_ids.shape
+        shared = micro.shared if cfg.shared_prefix else 0
+        total += shared + rows * (width - shared)
     return total
 
 
